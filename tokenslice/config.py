@@ -1,0 +1,69 @@
+"""Engine configuration: plain dataclasses, one per concern (DESIGN.md, "Layout")."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PREEMPTION_MODES = ("defer", "recompute", "reactive-swap", "proactive-swap")
+
+
+@dataclass
+class ModelConfig:
+    model: str = "builtin:tiny"
+    tokenizer: str | None = None  # defaults to the model directory
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None  # defaults to the checkpoint's context length
+    seed: int = 0  # for requests that sample without a seed of their own
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_blocks: int | None = None  # explicit pool size wins over the memory fraction
+    kv_memory_fraction: float = 0.25  # of free device memory (or of host RAM on CPU)
+    swap_space_gb: float = 0.0
+    offload_dtype: str = "auto"  # auto | int8
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
+            raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.offload_dtype not in ("auto", "int8"):
+            raise ValueError(f"offload_dtype must be auto or int8, got {self.offload_dtype!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    policy: str = "fcfs"
+    preemption: str = "recompute"
+    max_batch_size: int = 64
+    max_tokens_per_step: int = 2048
+
+    def validate(self) -> None:
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption!r}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_tokens_per_step < 1:
+            raise ValueError(f"max_tokens_per_step must be >= 1, got {self.max_tokens_per_step}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self) -> None:
+        self.cache.validate()
+        self.scheduler.validate()

@@ -1,0 +1,1 @@
+"""The engine loop: schedule -> execute -> update."""

@@ -1,0 +1,58 @@
+"""Incremental detokenization with stop strings.
+
+Each step decodes a short window (a few tokens of context plus the new ones) and keeps the
+difference, as vLLM does: decoding tokens one by one would lose the leading spaces that
+SentencePiece-style tokenizers strip at the start of a decode. The window starts in the
+prompt, so the first output token keeps its space too.
+
+Text is released only when it can no longer change: a multi-byte character still being
+spelled out, or a possible prefix of a stop string, is held back until it resolves. So the
+concatenated stream equals the final text.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""  # decoded output so far (cut before a stop string once found)
+        self._emitted = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_ids: list[int]) -> None:
+        """Decode new tokens; sets `stopped` if a stop string appeared (text is cut before it)."""
+        if self.stopped:
+            return
+        self._ids.extend(token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return  # nothing printable yet, or an incomplete UTF-8 sequence: wait for more
+        before = len(self.text)
+        self.text += full[len(prefix):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        # A stop string may straddle old and new text; the earliest match wins.
+        hits = [at for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def delta(self, final: bool) -> str:
+        """New text that is safe to send; all of it when `final`."""
+        end = len(self.text) if final or self.stopped else max(self._emitted, len(self.text) - self._holdback)
+        out = self.text[self._emitted:end]
+        self._emitted = end
+        return out

@@ -1,0 +1,167 @@
+"""Engine: add / abort / step / generate over a Scheduler and an Executor (DESIGN.md, Data flow).
+
+step() = plan = scheduler.schedule(now); result = executor.execute(plan);
+         scheduler.update(plan, result, now); then detokenize and report.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Any, Protocol
+
+from tokenslice.clock import RealClock, VirtualClock
+from tokenslice.config import EngineConfig
+from tokenslice.engine.detokenizer import IncrementalDetokenizer
+from tokenslice.kv.manager import KVManager
+from tokenslice.plan import StepPlan, StepResult
+from tokenslice.request import (CompletionOutput, InvalidRequestError, Request, RequestOutput,
+                                SamplingParams)
+from tokenslice.sched.policy import make_policy
+from tokenslice.sched.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class Engine:
+    def __init__(self, scheduler: Scheduler, executor: Executor, *, tokenizer: Any | None,
+                 clock: RealClock | VirtualClock, max_model_len: int, vocab_size: int,
+                 eos_token_ids: list[int], model_name: str = "") -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.model_name = model_name
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+        self.last_step_seconds = 0.0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        from tokenslice.exec.local import LocalExecutor
+        from tokenslice.model.loader import load_model
+        from tokenslice.model.runner import ModelRunner, num_kv_blocks
+
+        config.validate()
+        loaded = load_model(config.model)
+        limit = loaded.arch.max_position_embeddings
+        max_len = min(config.model.max_model_len or limit, limit)
+        blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
+        runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed)
+        log.info("model %s (%s, %s on %s): %d KV blocks of %d tokens", loaded.name, loaded.arch.architecture,
+                 loaded.dtype, loaded.device, blocks, config.cache.block_size)
+        kv = KVManager(config.cache.block_size, blocks)
+        scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy), kv)
+        eos = loaded.tokenizer.eos_token_id if loaded.tokenizer.eos_token_id is not None else loaded.arch.eos_token_id
+        eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        engine = cls(scheduler, LocalExecutor(runner), tokenizer=loaded.tokenizer, clock=RealClock(),
+                     max_model_len=max_len, vocab_size=loaded.arch.vocab_size, eos_token_ids=eos_ids,
+                     model_name=loaded.name)
+        engine.runner = runner
+        return engine
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer; send token ids", "prompt")
+            return list(self.tokenizer(prompt)["input_ids"])
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    user: str | None = None, priority: int = 0,
+                    expected_output_tokens: int | None = None) -> Request:
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.tokenize(prompt)
+        self._check_prompt(ids)
+        if not params.ignore_eos and len(self.eos_token_ids) > 1:
+            # Extra end-of-sequence ids (Llama 3 lists several) stop like stop tokens.
+            params = dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids) + self.eos_token_ids[1:])
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, ids, params, self.clock.now() if arrival_time is None else arrival_time,
+                      user=user, priority=priority, expected_output_tokens=expected_output_tokens,
+                      eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None)
+        req.max_total_tokens = self.max_model_len
+        self.scheduler.add(req, self.clock.now())
+        if self.tokenizer is not None:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        return req
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt is empty", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
+                f"which must also leave room for at least one generated token", "prompt")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        kv = self.scheduler.kv
+        if kv.blocks_for_tokens(len(ids) + 1) > kv.device.num_blocks:
+            raise InvalidRequestError(
+                f"prompt has {len(ids)} tokens; the KV cache holds only {kv.capacity_tokens}", "prompt")
+
+    def abort_request(self, request_id: str) -> bool:
+        self._detok.pop(request_id, None)
+        return self.scheduler.abort(request_id, self.clock.now()) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule(self.clock.now())
+        result = self.executor.execute(plan)
+        self.clock.advance(result.step_seconds)
+        self.num_steps += 1
+        self.last_step_seconds = result.step_seconds
+        now = self.clock.now()
+        produced = self.scheduler.update(plan, result, now)
+        outputs: list[RequestOutput] = []
+        for req in produced:
+            det = self._detok.get(req.request_id)
+            if det is not None:
+                det.add(req.output_token_ids[-1:])
+                if det.stopped and not req.is_finished:
+                    self.scheduler.finish(req.request_id, "stop", now)
+            outputs.append(self._output(req, req.output_token_ids[-1:]))
+        reported = {o.request_id for o in outputs}
+        for req in self.scheduler.take_finished():
+            if req.request_id not in reported:  # finished without a new token (abort, stall)
+                outputs.append(self._output(req, []))
+        return outputs
+
+    def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
+        done = req.is_finished
+        det = self._detok.pop(req.request_id, None) if done else self._detok.get(req.request_id)
+        return RequestOutput(req.request_id, new_ids, det.delta(done) if det else "", done,
+                             req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, req.metrics)
+
+    def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[CompletionOutput]:
+        """Run prompts to completion (offline use); results in prompt order."""
+        if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        texts = {r.request_id: "" for r in reqs}
+        while any(not r.is_finished for r in reqs):
+            for out in self.step():
+                if out.request_id in texts:
+                    texts[out.request_id] += out.text_delta
+        return [CompletionOutput(r.request_id, p if isinstance(p, str) else None, r.prompt_token_ids,
+                                 texts[r.request_id], list(r.output_token_ids), r.finish_reason, r.metrics)
+                for r, p in zip(reqs, prompts, strict=True)]

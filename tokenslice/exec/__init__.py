@@ -1,0 +1,1 @@
+"""Executors run StepPlans: the real model locally, distributed workers, or a simulator."""

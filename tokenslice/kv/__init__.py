@@ -1,0 +1,1 @@
+"""KV-cache bookkeeping: which blocks each request owns, on which tier. No tensors here."""

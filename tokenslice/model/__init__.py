@@ -1,0 +1,1 @@
+"""Model code: checkpoints, layers, paged attention, the runner that owns the KV tensors."""

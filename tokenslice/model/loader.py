@@ -1,0 +1,161 @@
+"""Load a model from a local Hugging Face directory (config.json + *.safetensors + tokenizer),
+or the built-in tiny model. Every failure names the file and the problem."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from tokenslice.config import ModelConfig
+from tokenslice.model.arch import ArchConfig, ModelLoadError, parse_config
+from tokenslice.model.builtin import BUILTIN_SEED, BUILTIN_TINY, builtin_config, builtin_tokenizer
+from tokenslice.model.llama import LlamaForCausalLM
+from tokenslice.model.opt import OPTForCausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Buffers and tensors some checkpoints carry that the model rebuilds itself.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    arch: ArchConfig
+    tokenizer: Any  # a transformers tokenizer
+    dtype: torch.dtype
+    device: torch.device
+    name: str
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, arch: ArchConfig, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32  # fp16 matmuls are slow on CPU; bf16 on request
+        return torch.bfloat16 if arch.torch_dtype in (None, "float32", "bfloat16") else torch.float16
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
+    if name == "float16" and device.type == "cpu":
+        raise ValueError("float16 is supported on CUDA only; use float32 or bfloat16 on CPU")
+    return DTYPES[name]
+
+
+def build_model(arch: ArchConfig) -> nn.Module:
+    return OPTForCausalLM(arch) if arch.family == "opt" else LlamaForCausalLM(arch)
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    device = resolve_device(cfg.device)
+    if cfg.model == BUILTIN_TINY:
+        arch = parse_config(builtin_config(), BUILTIN_TINY)
+        dtype = resolve_dtype(cfg.dtype, arch, device)
+        gen = torch.Generator().manual_seed(BUILTIN_SEED)
+        with torch.device("meta"):
+            model = build_model(arch)
+        model = model.to_empty(device="cpu")
+        model.tie_weights()
+        for name, p in model.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
+        _rebuild_buffers(model, arch)
+        return LoadedModel(model.to(device=device, dtype=dtype).eval(), arch, builtin_tokenizer(), dtype,
+                           device, BUILTIN_TINY)
+    path = Path(cfg.model)
+    if not path.exists():
+        raise ModelLoadError(f"model path {str(path)!r} does not exist (a local directory or {BUILTIN_TINY!r})")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {str(path)!r} is not a directory")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{cfg_file}: missing; a Hugging Face model directory needs config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from None
+    arch = parse_config(raw, str(cfg_file))
+    dtype = resolve_dtype(cfg.dtype, arch, device)
+    with torch.device("meta"):
+        model = build_model(arch)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives each parameter fresh storage, which unties them
+    _load_weights(model, arch, path)
+    _rebuild_buffers(model, arch)
+    tokenizer = load_tokenizer(cfg.tokenizer or str(path))
+    return LoadedModel(model.to(device=device, dtype=dtype).eval(), arch, tokenizer, dtype, device, str(path))
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    if path == BUILTIN_TINY:
+        return builtin_tokenizer()
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers raises many kinds; all mean the same to the user
+        raise ModelLoadError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e})") from None
+
+
+def _rebuild_buffers(model: nn.Module, arch: ArchConfig) -> None:
+    """Non-persistent buffers (rotary tables) were left empty by the meta-device build."""
+    if isinstance(model, LlamaForCausalLM):
+        from tokenslice.model.layers import RotaryEmbedding
+
+        model.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                       arch.rope_scaling)
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"{index}: names shard(s) that are missing: {', '.join(missing)}")
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weights found (pytorch .bin files are not loaded)")
+    return files
+
+
+def _load_weights(model: nn.Module, arch: ArchConfig, path: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                name = key if key in params else f"model.{key}"  # older OPT files omit "model."
+                if name not in params:
+                    if not key.endswith(IGNORED_SUFFIXES):
+                        log.warning("%s: ignoring unexpected tensor %s", file, key)
+                    continue
+                tensor = f.get_tensor(key)
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ModelLoadError(f"{file}: tensor {key} has shape {tuple(tensor.shape)}, "
+                                         f"the config implies {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+    tied = {"lm_head.weight"} if arch.tie_word_embeddings else set()
+    missing = sorted(set(params) - loaded - tied)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{path}: weights missing from the safetensors files: {shown}")

@@ -1,0 +1,56 @@
+"""What the scheduler hands the executor each step, and what comes back (DESIGN.md, StepPlan).
+
+Plain data so that any executor (local, distributed, simulated) can take it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenslice.request import SamplingParams
+
+
+@dataclass
+class SeqSlice:
+    """One request's share of a step: compute `token_ids` at positions start_pos.., maybe sample."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int  # tokens already in the cache before this step
+    block_table: list[int]
+    sample: bool  # this slice reaches the end of the known tokens: sample the next one
+    params: SamplingParams
+    num_output_tokens: int  # before this step; for min_tokens
+    eos_token_id: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    prefill: list[SeqSlice] = field(default_factory=list)
+    decode: list[SeqSlice] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    drop: list[str] = field(default_factory=list)  # requests whose KV was discarded (recompute)
+    finished: list[str] = field(default_factory=list)  # executor may forget per-request state
+
+    @property
+    def slices(self) -> list[SeqSlice]:
+        return self.decode + self.prefill
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.prefill) + len(self.decode)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    step_seconds: float = 0.0
+    transfer_seconds: float = 0.0

@@ -1,0 +1,162 @@
+"""Request state machine, sampling parameters and the outputs the engine streams back."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"  # arrived, never run (or dropped for recompute)
+    RUNNING = "running"  # in the current batch
+    PREEMPTED = "preempted"  # has run, paused by the scheduler
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message is fit for the client."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be non-negative, got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise InvalidRequestError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}", "top_k")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", "min_tokens")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty", "stop")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (clock seconds) and counters kept for every request."""
+
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+    attained_service_s: float = 0.0  # execution seconds of steps the request ran in
+    iterations: int = 0
+    preemptions: int = 0
+    swaps: int = 0
+    recomputed_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return self.token_times[0] - self.arrival_time if self.token_times else None
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+class Request:
+    """One generation request as the scheduler sees it: tokens, KV progress, state, accounting."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, *, user: str | None = None, priority: int = 0,
+                 expected_output_tokens: int | None = None, eos_token_id: int | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.user = user
+        self.priority = priority
+        self.expected_output_tokens = expected_output_tokens  # known only to oracles and experiments
+        self.predicted_output_len: float | None = None
+        self.eos_token_id = eos_token_id
+        self.output_token_ids: list[int] = []
+        self.state = RequestState.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.max_total_tokens: int | None = None  # context limit, set by the engine
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+
+    @property
+    def arrival_time(self) -> float:
+        return self.metrics.arrival_time
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Uncomputed tokens: the whole prompt on first run, 1 when decoding."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, state={self.state.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request; `text_delta` is new text since the last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request, as the offline `LLM.generate` returns it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    metrics: RequestMetrics

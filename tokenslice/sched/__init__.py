@@ -1,0 +1,1 @@
+"""Scheduling: policies order requests, the Scheduler turns an order into a StepPlan. No torch."""

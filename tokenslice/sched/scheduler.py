@@ -1,0 +1,190 @@
+"""Scheduler: walks the policy's order, fills a batch under the step limits and the KV pool,
+and returns a StepPlan; after the step it records tokens and finishes requests (DESIGN.md)."""
+from __future__ import annotations
+
+from tokenslice.config import SchedulerConfig
+from tokenslice.kv.manager import KVManager
+from tokenslice.plan import SeqSlice, StepPlan, StepResult
+from tokenslice.request import Request, RequestState
+from tokenslice.sched.policy import Policy
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, policy: Policy, kv: KVManager) -> None:
+        config.validate()
+        self.config = config
+        self.policy = policy
+        self.kv = kv
+        self.requests: dict[str, Request] = {}
+        self._released: list[str] = []  # finished since the last plan; the executor may forget them
+        self._finished: list[Request] = []  # finished since the engine last asked
+        self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
+
+    # ---- membership -------------------------------------------------------------------------
+    def add(self, req: Request, now: float) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already live")
+        self.requests[req.request_id] = req
+        self.policy.on_arrival(req, now)
+
+    def abort(self, request_id: str, now: float) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, "abort", now, RequestState.ABORTED)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for r in self.requests.values() if r.state is RequestState.RUNNING)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(1 for r in self.requests.values() if r.state is RequestState.WAITING)
+
+    @property
+    def num_preempted(self) -> int:
+        return sum(1 for r in self.requests.values() if r.state is RequestState.PREEMPTED)
+
+    # ---- planning ---------------------------------------------------------------------------
+    def schedule(self, now: float) -> StepPlan:
+        cfg = self.config
+        plan = StepPlan(finished=self._released)
+        self._released = []
+        ranked = self.policy.ranked(now)
+        budget = cfg.max_tokens_per_step
+        chosen: set[str] = set()
+        admission_blocked = False  # a new request is waiting for memory: no newer one may jump it
+        for i, req in enumerate(ranked):
+            if len(chosen) >= cfg.max_batch_size or budget <= 0:
+                break
+            holds_kv = req.num_computed_tokens > 0
+            if (admission_blocked and not holds_kv) or req.request_id in plan.drop:
+                continue
+            chunk = min(req.remaining_tokens, budget)
+            need = self.kv.blocks_needed(req.request_id, req.num_computed_tokens + chunk)
+            if need > self.kv.num_free_device_blocks and not self._make_room(need, ranked[i + 1:], chosen, holds_kv, plan):
+                if not holds_kv:
+                    admission_blocked = True
+                continue
+            self.kv.ensure(req.request_id, req.num_computed_tokens + chunk)
+            chosen.add(req.request_id)
+            budget -= chunk
+            start = req.num_computed_tokens
+            s = SeqSlice(req.request_id, req.token_ids(start, start + chunk), start,
+                         self.kv.block_table(req.request_id), start + chunk == req.num_tokens,
+                         req.params, req.num_output_tokens, req.eos_token_id)
+            (plan.decode if chunk == 1 else plan.prefill).append(s)
+        if not chosen and ranked:
+            self._resolve_stall(ranked, now)
+        for req in ranked:
+            if req.request_id in chosen:
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+                req.state = RequestState.RUNNING
+            elif req.state is RequestState.RUNNING:
+                req.state = RequestState.PREEMPTED
+                req.metrics.preemptions += 1
+                self.num_preemptions += 1
+        return plan
+
+    def _make_room(self, need: int, lower: list[Request], chosen: set[str], holds_kv: bool,
+                   plan: StepPlan) -> bool:
+        """Free device blocks by dropping lower-ranked requests' KV (they recompute later).
+
+        Under `defer` only a request that already holds KV may evict (it must progress, or the
+        pool deadlocks); new work waits instead.
+        """
+        if self.config.preemption == "defer" and not holds_kv:
+            return False
+        victims = [r for r in reversed(lower) if r.request_id not in chosen and self.kv.holds(r.request_id)]
+        freeable = self.kv.num_free_device_blocks + sum(self.kv.num_device_blocks(r.request_id) for r in victims)
+        if freeable < need:
+            return False
+        for victim in victims:
+            if self.kv.num_free_device_blocks >= need:
+                break
+            self._drop_kv(victim, plan)
+        return True
+
+    def _drop_kv(self, req: Request, plan: StepPlan) -> None:
+        self.kv.free(req.request_id)
+        req.metrics.recomputed_tokens += req.num_computed_tokens
+        self.num_recomputed_tokens += req.num_computed_tokens
+        req.num_computed_tokens = 0
+        if req.state is RequestState.RUNNING:
+            req.metrics.preemptions += 1
+            self.num_preemptions += 1
+        req.state = RequestState.WAITING
+        plan.drop.append(req.request_id)
+
+    def _resolve_stall(self, ranked: list[Request], now: float) -> None:
+        """Nothing could run: one request holds the whole pool and cannot grow (two holders
+        would let the higher evict the lower). Stop it rather than spin; its text so far goes
+        back to the client with finish_reason 'length'."""
+        holders = [r for r in ranked if self.kv.holds(r.request_id)]
+        if len(holders) <= 1:
+            self._finish(holders[0] if holders else ranked[0], "length", now, RequestState.FINISHED)
+
+    # ---- after the step ---------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
+        """Record computed and sampled tokens; returns requests that got a new token."""
+        ran: list[Request] = []
+        produced: list[Request] = []
+        for s in plan.slices:
+            req = self.requests.get(s.request_id)
+            if req is None:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += len(s.token_ids)
+            req.metrics.iterations += 1
+            req.metrics.attained_service_s += result.step_seconds
+            ran.append(req)
+            if not s.sample:
+                continue
+            tok = result.sampled[s.request_id]
+            req.output_token_ids.append(tok)
+            req.metrics.token_times.append(now)
+            produced.append(req)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self._finish(req, reason, now, RequestState.FINISHED)
+        self.policy.on_step(ran, result.step_seconds, now)
+        return produced
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        n = req.num_output_tokens
+        if n >= p.min_tokens:
+            if not p.ignore_eos and tok == req.eos_token_id:
+                return "stop"
+            if tok in p.stop_token_ids:
+                return "stop"
+        if n >= p.max_tokens:
+            return "length"
+        if req.max_total_tokens is not None and req.num_tokens >= req.max_total_tokens:
+            return "length"
+        return None
+
+    def finish(self, request_id: str, reason: str, now: float) -> None:
+        """Finish a live request for a reason found outside the scheduler (a stop string)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, reason, now, RequestState.FINISHED)
+
+    def _finish(self, req: Request, reason: str, now: float, state: RequestState) -> None:
+        self.requests.pop(req.request_id, None)
+        self.kv.free(req.request_id)
+        req.state = state
+        req.finish_reason = reason
+        req.metrics.finish_time = now
+        self.policy.on_finish(req)
+        self._released.append(req.request_id)
+        self._finished.append(req)
+
+    def take_finished(self) -> list[Request]:
+        out, self._finished = self._finished, []
+        return out
