@@ -71,6 +71,8 @@ class Engine:
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:  # checked before tokenizing: a BOS token would hide it
+                raise InvalidRequestError("prompt is empty", "prompt")
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer; send token ids", "prompt")
             return list(self.tokenizer(prompt)["input_ids"])
