@@ -1,0 +1,506 @@
+"""CostModel: seconds for one engine iteration and for one KV transfer (DESIGN.md, "CostModel").
+
+Two sources behind one interface:
+
+- `RooflineCostModel` — analytic: a `ModelSpec` on a `HardwareSpec`. Each layer is two roofline
+  operations (dense matmuls against the weights, attention against the KV cache); an operation
+  takes max(FLOPs / compute rate, bytes / memory bandwidth), plus fixed kernel-launch and
+  per-iteration overheads. Efficiency factors are calibrated so that opt-13b on an A100-40GB
+  decodes one sequence in ~23 ms and prefills a lone 512-token prompt in ~80 ms, the reference
+  values the project's issues quote.
+- `ProfileCostModel` — fitted: a non-negative linear model over batch features measured on this
+  machine (ALISE §3.1: iteration time is linear in the batch's token counts), built by
+  `fit_profile` from (BatchShape, seconds) samples and stored as JSON.
+
+Policies use the cost model (FastServe §4.1 skip-join needs the first-iteration time; ALISE's
+SRPT needs remaining time) and the simulator uses it as its clock. No torch here.
+"""
+from __future__ import annotations
+
+import json
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Context length used for "short context" decode iterations (FastServe's q1 is one such step).
+SHORT_CONTEXT = 1
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What one engine iteration computes, reduced to the features that drive its time.
+
+    prefill_tokens: new prompt tokens processed this step (summed over prefill chunks).
+    prefill_seqs: sequences with a prefill chunk this step.
+    decode_seqs: sequences decoding one token this step.
+    context_tokens: KV length each sequence attends to after this step, summed over all
+        sequences (prefill and decode); drives the KV bytes attention reads.
+    prefill_context: (query, key) pairs of the prefill queries under the causal mask,
+        sum over chunks of q*past + q*(q+1)/2; drives prefill attention FLOPs, which grow
+        quadratically with prompt length.
+    """
+
+    prefill_tokens: int = 0
+    prefill_seqs: int = 0
+    decode_seqs: int = 0
+    context_tokens: int = 0
+    prefill_context: int = 0
+
+    @classmethod
+    def from_lengths(cls, prefill: Sequence[tuple[int, int]] = (), decode: Sequence[int] = ()) -> BatchShape:
+        """Exact shape from per-sequence lengths.
+
+        prefill: (new tokens this step, tokens already cached) per prefill chunk.
+        decode: context length (cached tokens + the one being decoded) per decoding sequence.
+        """
+        pt = sum(q for q, _ in prefill)
+        pairs = sum(q * past + q * (q + 1) // 2 for q, past in prefill)
+        ctx = sum(q + past for q, past in prefill) + sum(decode)
+        return cls(prefill_tokens=pt, prefill_seqs=len(prefill), decode_seqs=len(decode),
+                   context_tokens=ctx, prefill_context=pairs)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens that pass through the dense layers this step."""
+        return self.prefill_tokens + self.decode_seqs
+
+    @property
+    def num_seqs(self) -> int:
+        return self.prefill_seqs + self.decode_seqs
+
+    @property
+    def attention_pairs(self) -> int:
+        """(query, key) pairs attention computes.
+
+        Decode queries attend their whole context; counting every sequence's context once adds a
+        single row per prefill chunk on top of prefill_context, a negligible over-count.
+        """
+        return self.context_tokens + self.prefill_context
+
+    def is_empty(self) -> bool:
+        return self.num_tokens == 0
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One accelerator, from its public datasheet, plus calibrated efficiency and overheads."""
+
+    name: str
+    matmul_flops: float  # dense fp16/bf16 tensor-core FLOP/s (no sparsity)
+    memory_bandwidth: float  # device memory B/s
+    host_link_bandwidth: float  # effective device<->host B/s for KV swap (PCIe)
+    memory_bytes: float  # device memory capacity
+    interconnect_bandwidth: float  # GPU<->GPU B/s per direction, for tensor-parallel all-reduce
+    op_overhead_s: float = 4e-6  # per kernel launch: a small decode step is launch-bound
+    transfer_op_overhead_s: float = 10e-6  # per cudaMemcpyAsync: why FastSwitch groups blocks
+    iteration_overhead_s: float = 0.8e-3  # scheduling, sampling, host sync per iteration
+    allreduce_latency_s: float = 15e-6  # fixed cost of one all-reduce
+    compute_efficiency: float = 0.54  # achieved / peak FLOP/s (calibrated, see module doc)
+    memory_efficiency: float = 0.80  # achieved / peak memory bandwidth (calibrated)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Decoder-only transformer architecture, from the model's public config."""
+
+    name: str
+    num_params: float  # as published; the roofline uses the per-layer count derived below
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    gated_mlp: bool = False  # Llama-style SwiGLU has three MLP matrices, OPT two
+    tied_embeddings: bool = True
+    bytes_per_param: int = 2
+    kv_bytes_per_value: int = 2  # KV cache dtype width
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer (biases and norms are negligible and left out)."""
+        q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
+        k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        mlp = (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
+        return q_o + k_v + mlp
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+
+    @property
+    def derived_params(self) -> int:
+        return self.num_layers * self.layer_params + self.embedding_params
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V for one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_value
+
+
+# Datasheet numbers (dense fp16/bf16 tensor-core peak, HBM bandwidth). Host links are effective
+# rates for pinned copies: PCIe gen3 x16 ~12 GB/s, gen4 ~25 GB/s, gen5 ~50 GB/s.
+HARDWARE_SPECS: dict[str, HardwareSpec] = {
+    "a100-40gb": HardwareSpec("a100-40gb", matmul_flops=312e12, memory_bandwidth=1.555e12,
+                              host_link_bandwidth=25e9, memory_bytes=40e9, interconnect_bandwidth=300e9),
+    "a100-80gb": HardwareSpec("a100-80gb", matmul_flops=312e12, memory_bandwidth=2.039e12,
+                              host_link_bandwidth=25e9, memory_bytes=80e9, interconnect_bandwidth=300e9),
+    "h100": HardwareSpec("h100", matmul_flops=989e12, memory_bandwidth=3.35e12,
+                         host_link_bandwidth=50e9, memory_bytes=80e9, interconnect_bandwidth=450e9),
+    "v100": HardwareSpec("v100", matmul_flops=125e12, memory_bandwidth=0.9e12,
+                         host_link_bandwidth=12e9, memory_bytes=32e9, interconnect_bandwidth=150e9),
+    "a10": HardwareSpec("a10", matmul_flops=125e12, memory_bandwidth=0.6e12,
+                        host_link_bandwidth=25e9, memory_bytes=24e9, interconnect_bandwidth=25e9),
+}
+
+# Public Hugging Face configs (OPT: facebook/opt-*, Llama: meta-llama/*).
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "opt-13b": ModelSpec("opt-13b", num_params=12.85e9, num_layers=40, hidden_size=5120, num_heads=40,
+                         num_kv_heads=40, head_dim=128, intermediate_size=20480, vocab_size=50272),
+    "opt-66b": ModelSpec("opt-66b", num_params=65.7e9, num_layers=64, hidden_size=9216, num_heads=72,
+                         num_kv_heads=72, head_dim=128, intermediate_size=36864, vocab_size=50272),
+    "opt-175b": ModelSpec("opt-175b", num_params=175e9, num_layers=96, hidden_size=12288, num_heads=96,
+                          num_kv_heads=96, head_dim=128, intermediate_size=49152, vocab_size=50272),
+    "llama-2-7b": ModelSpec("llama-2-7b", num_params=6.74e9, num_layers=32, hidden_size=4096, num_heads=32,
+                            num_kv_heads=32, head_dim=128, intermediate_size=11008, vocab_size=32000,
+                            gated_mlp=True, tied_embeddings=False),
+    "llama-2-13b": ModelSpec("llama-2-13b", num_params=13.0e9, num_layers=40, hidden_size=5120, num_heads=40,
+                             num_kv_heads=40, head_dim=128, intermediate_size=13824, vocab_size=32000,
+                             gated_mlp=True, tied_embeddings=False),
+    "llama-3-8b": ModelSpec("llama-3-8b", num_params=8.03e9, num_layers=32, hidden_size=4096, num_heads=32,
+                            num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                            gated_mlp=True, tied_embeddings=False),
+}
+
+# Kernels launched per decoder layer without CUDA graphs: 2 norms, qkv, rotary/cache write,
+# attention, out-proj, 2-3 MLP matmuls, activation, residual adds.
+KERNELS_PER_LAYER = 10
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """Device<->host copy cost: a fixed cost per copy operation plus bytes over the link."""
+
+    bytes_per_s: float
+    op_overhead_s: float
+
+    def seconds(self, num_bytes: int, num_ops: int = 1) -> float:
+        if num_bytes <= 0 and num_ops <= 0:
+            return 0.0
+        return max(num_ops, 0) * self.op_overhead_s + max(num_bytes, 0) / self.bytes_per_s
+
+
+class CostModel(ABC):
+    """Seconds per iteration and per transfer. Subclasses: RooflineCostModel, ProfileCostModel."""
+
+    kind: str = ""
+
+    @property
+    @abstractmethod
+    def name(self) -> str:
+        """Human-readable identity, e.g. "opt-13b@a100-40gb" or a profile's model@device."""
+
+    @property
+    @abstractmethod
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes for one token of one sequence, all layers (what a swap moves)."""
+
+    @abstractmethod
+    def iteration_seconds(self, shape: BatchShape) -> float:
+        """Wall time of one engine iteration computing `shape`; 0.0 for an empty batch."""
+
+    @abstractmethod
+    def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
+        """Wall time to copy `num_bytes` between device and host in `num_ops` copy operations."""
+
+    @abstractmethod
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form; `CostModel.from_dict` inverts it."""
+
+    def first_iteration_seconds(self, prompt_len: int) -> float:
+        """A lone prefill of `prompt_len` tokens: FastServe §4.1 skip-join picks the entry queue by it."""
+        return self.iteration_seconds(BatchShape.from_lengths(prefill=[(max(prompt_len, 1), 0)]))
+
+    def decode_seconds(self, batch: int, context: int) -> float:
+        """One decode step of `batch` sequences, each attending `context` tokens."""
+        if batch <= 0:
+            return 0.0
+        return self.iteration_seconds(BatchShape.from_lengths(decode=[max(context, 1)] * batch))
+
+    def min_iteration_seconds(self) -> float:
+        """Decode of one sequence at short context: the shortest useful quantum (FastServe's q1)."""
+        return self.decode_seconds(1, SHORT_CONTEXT)
+
+    def kv_transfer_seconds(self, num_tokens: int, num_ops: int = 1) -> float:
+        """Convenience: move the KV of `num_tokens` tokens."""
+        return self.transfer_seconds(num_tokens * self.kv_bytes_per_token, num_ops)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> CostModel:
+        kind = data.get("kind")
+        if kind == "roofline":
+            return RooflineCostModel.from_dict(data)
+        if kind == "profile":
+            return ProfileCostModel.from_dict(data)
+        raise ValueError(f"unknown cost model kind {kind!r}; expected 'roofline' or 'profile'")
+
+
+class RooflineCostModel(CostModel):
+    """Analytic cost from FLOPs and bytes against a hardware roofline (see module doc)."""
+
+    kind = "roofline"
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1) -> None:
+        if tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+        self.model = model
+        self.hardware = hardware
+        self.tensor_parallel = tensor_parallel
+        # Each GPU copies its own KV shard over its own host link, so links add up.
+        self.transfer = TransferSpec(hardware.host_link_bandwidth * tensor_parallel, hardware.transfer_op_overhead_s)
+
+    @property
+    def name(self) -> str:
+        suffix = f":tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return f"{self.model.name}@{self.hardware.name}{suffix}"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.kv_bytes_per_token
+
+    def _op_seconds(self, flops: float, num_bytes: float) -> float:
+        hw = self.hardware
+        return max(flops / (hw.matmul_flops * hw.compute_efficiency),
+                   num_bytes / (hw.memory_bandwidth * hw.memory_efficiency))
+
+    def iteration_seconds(self, shape: BatchShape) -> float:
+        if shape.is_empty():
+            return 0.0
+        m, hw, tp = self.model, self.hardware, self.tensor_parallel
+        tokens = shape.num_tokens
+        # Dense matmuls: weights are read once per iteration however many tokens share them, which
+        # is why batching decode is nearly free until the batch becomes compute-bound.
+        dense = self._op_seconds(2.0 * m.layer_params * tokens / tp, m.layer_params * m.bytes_per_param / tp)
+        # Attention: QK^T and AV cost 4*d FLOPs per (query, key) pair; K and V are read per context
+        # token and written for each new token. KV heads are split across GPUs (replicated if fewer).
+        q_dim = m.num_heads * m.head_dim / tp
+        kv_per_token_layer = 2 * max(m.num_kv_heads / tp, 1) * m.head_dim * m.kv_bytes_per_value
+        attn = self._op_seconds(4.0 * q_dim * shape.attention_pairs,
+                                kv_per_token_layer * (shape.context_tokens + tokens))
+        allreduce = 0.0
+        if tp > 1:
+            # Megatron-style TP: two all-reduces per layer of the activations (ring: 2(t-1)/t of the data).
+            act_bytes = tokens * m.hidden_size * m.bytes_per_param
+            allreduce = 2 * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * act_bytes / hw.interconnect_bandwidth)
+        per_layer = dense + attn + allreduce + KERNELS_PER_LAYER * hw.op_overhead_s
+        # LM head: one logits row per sampled sequence, but the whole vocab matrix is read.
+        head_params = m.vocab_size * m.hidden_size / tp
+        head = self._op_seconds(2.0 * head_params * shape.num_seqs, head_params * m.bytes_per_param)
+        return m.num_layers * per_layer + head + hw.iteration_overhead_s
+
+    def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
+        return self.transfer.seconds(num_bytes, num_ops)
+
+    def weight_bytes_per_gpu(self) -> float:
+        return self.model.derived_params * self.model.bytes_per_param / self.tensor_parallel
+
+    def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:
+        """Tokens of KV that fit beside the weights in `memory_fraction` of each GPU's memory."""
+        free = self.hardware.memory_bytes * memory_fraction - self.weight_bytes_per_gpu()
+        per_token_per_gpu = self.kv_bytes_per_token / self.tensor_parallel
+        return max(int(free // per_token_per_gpu), 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "model": asdict(self.model),
+                "hardware": asdict(self.hardware), "tensor_parallel": self.tensor_parallel}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RooflineCostModel:
+        return cls(ModelSpec(**_known_fields(ModelSpec, data["model"])),
+                   HardwareSpec(**_known_fields(HardwareSpec, data["hardware"])),
+                   int(data.get("tensor_parallel", 1)))
+
+
+# Feature order of the fitted profile; names are the JSON coefficient keys.
+PROFILE_FEATURES = ("base", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_context")
+
+
+def profile_features(shape: BatchShape) -> list[float]:
+    """[1, prefill tokens, decode seqs, context tokens, prefill attention pairs] (ALISE §3.1)."""
+    return [1.0, float(shape.prefill_tokens), float(shape.decode_seqs), float(shape.context_tokens),
+            float(shape.prefill_context)]
+
+
+class ProfileCostModel(CostModel):
+    """Linear cost fitted to iterations measured on this machine (see `fit_profile`)."""
+
+    kind = "profile"
+
+    def __init__(self, coefficients: dict[str, float], transfer: TransferSpec, kv_bytes_per_token: int,
+                 model: str = "unknown", device: str = "unknown", samples: int = 0,
+                 r2: float | None = None) -> None:
+        missing = [k for k in PROFILE_FEATURES if k not in coefficients]
+        if missing:
+            raise ValueError(f"profile coefficients missing {missing}; need {list(PROFILE_FEATURES)}")
+        self.coefficients = {k: float(coefficients[k]) for k in PROFILE_FEATURES}
+        self._weights = np.array([self.coefficients[k] for k in PROFILE_FEATURES])
+        self.transfer = transfer
+        self._kv_bytes_per_token = int(kv_bytes_per_token)
+        self.model = model
+        self.device = device
+        self.samples = samples
+        self.r2 = r2
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}@{self.device}"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self._kv_bytes_per_token
+
+    def iteration_seconds(self, shape: BatchShape) -> float:
+        if shape.is_empty():
+            return 0.0
+        return max(float(np.dot(self._weights, profile_features(shape))), 0.0)
+
+    def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
+        return self.transfer.seconds(num_bytes, num_ops)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "model": self.model, "device": self.device,
+                "coefficients": dict(self.coefficients),
+                "transfer": {"bytes_per_s": self.transfer.bytes_per_s, "op_overhead_s": self.transfer.op_overhead_s},
+                "kv_bytes_per_token": self.kv_bytes_per_token, "samples": self.samples, "r2": self.r2}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProfileCostModel:
+        t = data["transfer"]
+        return cls(coefficients=data["coefficients"],
+                   transfer=TransferSpec(float(t["bytes_per_s"]), float(t["op_overhead_s"])),
+                   kv_bytes_per_token=int(data["kv_bytes_per_token"]), model=data.get("model", "unknown"),
+                   device=data.get("device", "unknown"), samples=int(data.get("samples", 0)), r2=data.get("r2"))
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """Non-negative least squares, min ||a x - b|| s.t. x >= 0 (Lawson-Hanson active set).
+
+    Written here because scipy is not a dependency; the problems are tiny (5 columns).
+    """
+    a = np.asarray(a, dtype=float)
+    b = np.asarray(b, dtype=float)
+    m, n = a.shape
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(float).eps * np.linalg.norm(a, 1) * max(m, n)
+    max_iter = max_iter or 3 * n + 10
+    w = a.T @ (b - a @ x)
+    for _ in range(max_iter):
+        if passive.all() or w[~passive].max() <= tol:
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        while True:
+            s = np.zeros(n)
+            s[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if s[passive].min() > 0:
+                break
+            # Step back toward x until the first passive variable hits zero, then drop it.
+            bad = passive & (s <= 0)
+            alpha = np.min(x[bad] / (x[bad] - s[bad]))
+            x = x + alpha * (s - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+            if not passive.any():
+                s = np.zeros(n)
+                break
+        x = s
+        w = a.T @ (b - a @ x)
+    return x
+
+
+def fit_transfer(samples: Sequence[tuple[int, int, float]]) -> TransferSpec:
+    """Fit seconds = ops * overhead + bytes / bandwidth to measured (bytes, ops, seconds) copies."""
+    if len(samples) < 2:
+        raise ValueError("fit_transfer needs at least 2 samples (bytes, ops, seconds)")
+    a = np.array([[float(ops), float(nb)] for nb, ops, _ in samples])
+    y = np.array([float(s) for _, _, s in samples])
+    scale = np.where(np.linalg.norm(a, axis=0) > 0, np.linalg.norm(a, axis=0), 1.0)
+    overhead, inv_bw = nnls(a / scale, y) / scale
+    if inv_bw <= 0:
+        raise ValueError("transfer samples show no dependence on bytes; cannot fit a bandwidth")
+    return TransferSpec(bytes_per_s=1.0 / inv_bw, op_overhead_s=float(overhead))
+
+
+def fit_profile(samples: Sequence[tuple[BatchShape, float]], *, kv_bytes_per_token: int,
+                transfer: TransferSpec | Sequence[tuple[int, int, float]] | None = None,
+                model: str = "unknown", device: str = "unknown") -> ProfileCostModel:
+    """Least-squares fit of iteration seconds on PROFILE_FEATURES with non-negative coefficients.
+
+    Non-negativity keeps the model monotone (more work never predicts less time), which the
+    policies rely on. `transfer` is a measured TransferSpec, raw (bytes, ops, seconds) samples to
+    fit one from, or None for a PCIe gen4 default (25 GB/s, 10 us per copy).
+    """
+    if len(samples) < len(PROFILE_FEATURES):
+        raise ValueError(f"fit_profile needs at least {len(PROFILE_FEATURES)} samples, got {len(samples)}")
+    a = np.array([profile_features(shape) for shape, _ in samples])
+    y = np.array([float(s) for _, s in samples])
+    # Columns span ~1 to ~1e6: normalise so the solver's tolerance means the same for each.
+    norms = np.linalg.norm(a, axis=0)
+    scale = np.where(norms > 0, norms, 1.0)
+    coef = nnls(a / scale, y) / scale
+    resid = y - a @ coef
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - float(np.sum(resid ** 2)) / ss_tot if ss_tot > 0 else 1.0
+    if transfer is None:
+        transfer_spec = TransferSpec(25e9, 10e-6)
+    elif isinstance(transfer, TransferSpec):
+        transfer_spec = transfer
+    else:
+        transfer_spec = fit_transfer(transfer)
+    return ProfileCostModel(coefficients=dict(zip(PROFILE_FEATURES, (float(c) for c in coef))),
+                            transfer=transfer_spec, kv_bytes_per_token=kv_bytes_per_token, model=model,
+                            device=device, samples=len(samples), r2=r2)
+
+
+def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+def known_cost_models() -> list[str]:
+    """Every built-in "model@hardware" name."""
+    return [f"{m}@{h}" for m in MODEL_SPECS for h in HARDWARE_SPECS]
+
+
+def load_cost_model(spec: str) -> CostModel:
+    """A cost model from "model@hardware[:tpN]" (e.g. "opt-13b@a100-40gb") or a JSON file path."""
+    path = Path(spec)
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"cost model profile {spec!r} does not exist")
+        return CostModel.from_dict(json.loads(path.read_text()))
+    text = spec.strip().lower()
+    tp = 1
+    if ":" in text:
+        text, _, tp_part = text.partition(":")
+        if not (tp_part.startswith("tp") and tp_part[2:].isdigit() and int(tp_part[2:]) >= 1):
+            raise ValueError(f"bad tensor-parallel suffix {tp_part!r} in {spec!r}; use e.g. ':tp4'")
+        tp = int(tp_part[2:])
+    model_name, at, hw_name = text.partition("@")
+    if not at or model_name not in MODEL_SPECS or hw_name not in HARDWARE_SPECS:
+        problem = (f"unknown model {model_name!r}" if at and model_name not in MODEL_SPECS else
+                   f"unknown hardware {hw_name!r}" if at else "expected 'model@hardware' or a .json profile")
+        raise ValueError(f"cannot load cost model {spec!r}: {problem}. Models: {', '.join(MODEL_SPECS)}; "
+                         f"hardware: {', '.join(HARDWARE_SPECS)} (e.g. opt-13b@a100-40gb, "
+                         f"opt-66b@a100-80gb:tp4)")
+    return RooflineCostModel(MODEL_SPECS[model_name], HARDWARE_SPECS[hw_name], tp)
