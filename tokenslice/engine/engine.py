@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokenslice.clock import RealClock, VirtualClock
@@ -21,6 +23,15 @@ from tokenslice.sched.policy import make_policy
 from tokenslice.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTimings:
+    """Wall seconds spent in each phase, summed over steps (engine overhead accounting)."""
+
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    update_s: float = 0.0
 
 
 class Executor(Protocol):
@@ -43,6 +54,7 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.last_step_seconds = 0.0
+        self.timings = StepTimings()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -123,8 +135,11 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule(self.clock.now())
+        t1 = time.perf_counter()
         result = self.executor.execute(plan)
+        t2 = time.perf_counter()
         self.clock.advance(result.step_seconds)
         self.num_steps += 1
         self.last_step_seconds = result.step_seconds
@@ -142,6 +157,10 @@ class Engine:
         for req in self.scheduler.take_finished():
             if req.request_id not in reported:  # finished without a new token (abort, stall)
                 outputs.append(self._output(req, []))
+        t3 = time.perf_counter()
+        self.timings.schedule_s += t1 - t0
+        self.timings.execute_s += t2 - t1
+        self.timings.update_s += t3 - t2
         return outputs
 
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:

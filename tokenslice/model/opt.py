@@ -90,7 +90,7 @@ class OPTForCausalLM(nn.Module):
             x = dec.project_in(x)
         x = x + dec.embed_positions(meta.positions + OPT_POSITION_OFFSET)
         for i, layer in enumerate(dec.layers):
-            x = layer(x, kv[:, i], meta)
+            x = layer(x, kv[i], meta)
         if dec.final_layer_norm is not None:
             x = dec.final_layer_norm(x)
         if dec.project_out is not None:

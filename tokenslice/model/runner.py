@@ -41,13 +41,14 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # Zeroed: padded attention slots read unwritten blocks and must not hold NaNs.
-        self.kv = torch.zeros(num_blocks, a.num_layers, 2, block_size, a.num_kv_heads, a.head_dim,
+        self.kv = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
                               dtype=self.dtype, device=self.device)
         self.sampler = Sampler(self.device, seed)
+        self.prep_seconds = 0.0  # summed time turning plans into tensors (overhead accounting)
 
     @property
     def block_bytes(self) -> int:
-        return self.kv[0].numel() * self.kv.element_size()
+        return self.kv[:, :, 0].numel() * self.kv.element_size()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -61,6 +62,7 @@ class ModelRunner:
             ids.extend(s.token_ids)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         meta = build_metadata(plan.decode, plan.prefill, self.block_size, self.device)
+        self.prep_seconds += time.perf_counter() - t0
         hidden = self.model(input_ids, meta, self.kv)
         # Logits only for the last token of each slice that samples.
         last, sampling = [], []
