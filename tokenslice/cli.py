@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, PREEMPTION_MODES
@@ -51,6 +52,24 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenslice.engine.engine import Engine
+    from tokenslice.server.app import ServerSettings, create_app
+
+    if a.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
+    engine = Engine.from_config(engine_config_from_args(a))
+    settings = ServerSettings(served_model_name=a.served_model_name or a.model, api_key=a.api_key or None,
+                              max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes)
+    app = create_app(engine, settings)
+    # Our own log line per request replaces uvicorn's access log (which would add nothing).
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level.lower(), access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenslice", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -67,6 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("TOKENSLICE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENSLICE_API_KEY); "
+                        "/health and /metrics stay open")
+    s.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests allowed to wait for their first token; more get 429 with Retry-After")
+    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    s.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -41,8 +41,21 @@ class SchedulerConfig:
     preemption: str = "recompute"
     max_batch_size: int = 64
     max_tokens_per_step: int = 2048
+    # Skip-join MLFQ (FastServe §4.1): quantum of queue i is q1 * ratio**i, q1 from the cost model.
+    mlfq_quantum_ratio: float = 2.0
+    mlfq_num_queues: int = 16
+    # Jobs that wait longer than this are promoted to the top queue; None derives it from the
+    # latency SLO (see sched/mlfq.py).
+    starvation_limit_s: float | None = None
+    slo_normalized_latency: float | None = None  # s/token; informs the starvation default
 
     def validate(self) -> None:
+        if self.mlfq_quantum_ratio <= 1.0:
+            raise ValueError(f"mlfq_quantum_ratio must be > 1, got {self.mlfq_quantum_ratio}")
+        if self.mlfq_num_queues < 1:
+            raise ValueError(f"mlfq_num_queues must be >= 1, got {self.mlfq_num_queues}")
+        if self.starvation_limit_s is not None and self.starvation_limit_s <= 0:
+            raise ValueError(f"starvation_limit_s must be > 0, got {self.starvation_limit_s}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption!r}")
         if self.max_batch_size < 1:

@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokenslice.clock import RealClock, VirtualClock
-from tokenslice.config import EngineConfig
+from tokenslice.config import EngineConfig, SchedulerConfig
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import (CompletionOutput, InvalidRequestError, Request, RequestOutput,
                                 SamplingParams)
-from tokenslice.sched.policy import make_policy
+from tokenslice.predict.cost import CostModel
+from tokenslice.sched.policy import PolicyContext, make_policy
 from tokenslice.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,15 @@ class StepTimings:
 
 class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+class TraceItem(Protocol):
+    """One request of a workload trace (bench.workloads.WorkloadRequest has these fields)."""
+
+    request_id: str
+    arrival_time: float
+    prompt_len: int
+    output_len: int
 
 
 class Engine:
@@ -79,6 +89,18 @@ class Engine:
                      model_name=loaded.name)
         engine.runner = runner
         return engine
+
+    @classmethod
+    def simulated(cls, config: SchedulerConfig, cost: CostModel, *, kv_cache_blocks: int,
+                  block_size: int = 16, max_model_len: int = 1 << 30) -> Engine:
+        """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
+        iteration times from the cost model instead of a model."""
+        from tokenslice.exec.sim import SimulatedExecutor
+
+        kv = KVManager(block_size, kv_cache_blocks)
+        policy = make_policy(config.policy, PolicyContext(config, cost))
+        return cls(Scheduler(config, policy, kv), SimulatedExecutor(cost), tokenizer=None, clock=VirtualClock(),
+                   max_model_len=max_model_len, vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name)
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -168,6 +190,42 @@ class Engine:
         det = self._detok.pop(req.request_id, None) if done else self._detok.get(req.request_id)
         return RequestOutput(req.request_id, new_ids, det.delta(done) if det else "", done,
                              req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, req.metrics)
+
+    def replay(self, trace: list[TraceItem], *, on_finish: Any = None) -> list[Request]:
+        """Run a workload trace: each request arrives at its time (clock-relative to the start)
+        and generates exactly its output length. Returns the requests, finished, in trace order.
+
+        On a VirtualClock idle gaps are skipped; on a real clock the loop sleeps until the next
+        arrival. `on_finish(req)` is called as each request finishes.
+        """
+        items = sorted(trace, key=lambda t: t.arrival_time)
+        start = self.clock.now()
+        reqs: dict[str, Request] = {}
+        i = 0
+        while i < len(items) or self.has_unfinished():
+            now = self.clock.now()
+            while i < len(items) and start + items[i].arrival_time <= now:
+                item = items[i]
+                ids = getattr(item, "prompt_token_ids", None) or [0] * max(1, item.prompt_len)
+                params = SamplingParams(max_tokens=max(1, item.output_len), temperature=0.0, ignore_eos=True)
+                reqs[item.request_id] = self.add_request(
+                    ids, params, request_id=item.request_id, arrival_time=start + item.arrival_time,
+                    user=getattr(item, "user", None), priority=getattr(item, "priority", 0) or 0,
+                    expected_output_tokens=item.output_len)
+                i += 1
+            if not self.has_unfinished():
+                self._wait_until(start + items[i].arrival_time)
+                continue
+            for out in self.step():
+                if out.finished and on_finish is not None:
+                    on_finish(reqs[out.request_id])
+        return [reqs[t.request_id] for t in trace]
+
+    def _wait_until(self, t: float) -> None:
+        if isinstance(self.clock, VirtualClock):
+            self.clock.advance_to(t)
+        else:
+            time.sleep(max(0.0, t - self.clock.now()))
 
     def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[CompletionOutput]:

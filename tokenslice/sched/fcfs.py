@@ -1,10 +1,14 @@
-"""Iteration-level first-come-first-served (Orca / vLLM): oldest request first, run to completion."""
+"""First-come-first-served, at iteration level (Orca / vLLM) and at request level
+(FasterTransformer)."""
 from __future__ import annotations
 
 from tokenslice.request import Request
+from tokenslice.sched.policy import PolicyContext
 
 
 class FCFSPolicy:
+    """Oldest request first; a started request runs to completion unless memory forces it out."""
+
     name = "fcfs"
 
     def __init__(self) -> None:
@@ -24,5 +28,29 @@ class FCFSPolicy:
         return list(self._live.values())
 
     def next_run_estimate(self, req: Request, now: float) -> float:
-        # FCFS never pauses a request it has started, so the estimate only orders waiting ones.
+        # FCFS never pauses a request it started, so arrival order is the whole story.
         return req.arrival_time
+
+
+class RequestLevelPolicy(FCFSPolicy):
+    """A batch is formed from the oldest requests and runs until every member finishes; only
+    then may new requests join (FasterTransformer's static batching)."""
+
+    name = "request-level"
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__()
+        self.batch_size = ctx.max_batch_size
+        self._batch: dict[str, Request] = {}
+
+    def on_finish(self, req: Request) -> None:
+        super().on_finish(req)
+        self._batch.pop(req.request_id, None)
+
+    def ranked(self, now: float) -> list[Request]:
+        if not self._batch:
+            for rid, r in self._live.items():
+                if len(self._batch) >= self.batch_size:
+                    break
+                self._batch[rid] = r
+        return list(self._batch.values())

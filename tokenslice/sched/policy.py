@@ -1,9 +1,43 @@
 """The Policy protocol (DESIGN.md, Core types) and the registry of policies by name."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
+from tokenslice.config import SchedulerConfig
+from tokenslice.predict.cost import CostModel
 from tokenslice.request import Request
+
+# Without a cost model, policies that need times assume this decode iteration (seconds).
+DEFAULT_ITERATION_S = 0.02
+
+
+@dataclass
+class PolicyContext:
+    """What a policy may know about the system: its config and the cost model."""
+
+    config: SchedulerConfig
+    cost: CostModel | None = None
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.config.max_batch_size
+
+    def min_iteration_s(self) -> float:
+        return self.cost.min_iteration_seconds() if self.cost else DEFAULT_ITERATION_S
+
+    def first_iteration_s(self, prompt_len: int) -> float:
+        if self.cost:
+            return self.cost.first_iteration_seconds(prompt_len)
+        return DEFAULT_ITERATION_S * max(1.0, prompt_len / 128)
+
+    def decode_s(self, context: int) -> float:
+        """One decode iteration of one request at this context (its share of a step)."""
+        return self.cost.decode_seconds(1, context) if self.cost else DEFAULT_ITERATION_S
+
+    def slo_normalized_latency(self) -> float:
+        """The SLO the operator gave, or the paper protocol's 10x the decode iteration time."""
+        return self.config.slo_normalized_latency or 10 * self.min_iteration_s()
 
 
 class Policy(Protocol):
@@ -30,14 +64,36 @@ POLICY_NAMES = ("fcfs", "request-level", "mlfq", "fixed-priority", "skip-join-ml
                 "srpt-oracle", "srpt-predicted", "priority", "vtc")
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, ctx: PolicyContext | None = None) -> Policy:
     # Imported here: policy modules import this one for the protocol.
-    from tokenslice.sched.fcfs import FCFSPolicy
+    from tokenslice.sched.fcfs import FCFSPolicy, RequestLevelPolicy
+    from tokenslice.sched.mlfq import FixedPriorityPolicy, SkipJoinMLFQPolicy
+    from tokenslice.sched.srpt import SRPTOraclePolicy
 
-    builders = {"fcfs": FCFSPolicy}
+    ctx = ctx or PolicyContext(SchedulerConfig(policy=name))
+    builders = {
+        "fcfs": lambda: FCFSPolicy(),
+        "request-level": lambda: RequestLevelPolicy(ctx),
+        "mlfq": lambda: SkipJoinMLFQPolicy(ctx, skip_join=False),
+        "skip-join-mlfq": lambda: SkipJoinMLFQPolicy(ctx, skip_join=True),
+        "fixed-priority": lambda: FixedPriorityPolicy(ctx),
+        "srpt-oracle": lambda: SRPTOraclePolicy(ctx),
+    }
     if name not in builders:
         known = ", ".join(sorted(builders))
         if name in POLICY_NAMES:
             raise ValueError(f"policy {name!r} is not available in this build; available: {known}")
         raise ValueError(f"unknown policy {name!r}; available: {known}")
     return builders[name]()
+
+
+def queue_position_estimates(ranked: list[Request], remaining_s: dict[str, float], batch: int) -> dict[str, float]:
+    """Seconds until each request runs, if jobs ahead of it run `remaining_s` each, `batch` at a
+    time: the first `batch` run now; the rest wait for the work ahead to drain (FastServe §4.2,
+    the execution term of ENST)."""
+    out: dict[str, float] = {}
+    ahead = 0.0
+    for i, r in enumerate(ranked):
+        out[r.request_id] = 0.0 if i < batch else ahead / batch
+        ahead += remaining_s.get(r.request_id, 0.0)
+    return out

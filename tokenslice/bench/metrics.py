@@ -1,0 +1,322 @@
+"""Latency statistics exactly as DESIGN.md ("Metrics") defines them, and the results file.
+
+- e2e latency (JCT) = finish - arrival; normalized latency = e2e / output tokens (the papers'
+  "latency (s/token)").
+- TTFT = first token - arrival; TBT = every gap between consecutive tokens, pooled over requests;
+  TPOT = (e2e - TTFT) / (output tokens - 1).
+- SLO attainment = share of *all* requests meeting the SLO (failed ones count and never meet it);
+  goodput = requests meeting it per second of makespan; max rate under SLO = highest arrival rate
+  whose metric stays within the SLO, interpolated linearly between sweep points.
+- Percentiles are nearest-rank.
+
+Undefined statistics (no finished request) are None, so results files stay valid JSON.
+No torch here.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Metric keys every results-file run carries (DESIGN.md, "Results file"); more may be added.
+METRIC_KEYS = ("mean_normalized_latency", "p95_normalized_latency", "mean_ttft", "p99_ttft", "p999_ttft",
+               "mean_tbt", "p999_tbt", "mean_jct", "p95_jct", "throughput_rps", "throughput_tok_s",
+               "preemptions", "recomputed_tokens", "swap_out_bytes", "swap_in_bytes", "swap_ops",
+               "swap_stall_s", "queue_s", "exec_s")
+
+# Server-side counters summed over requests (totals for the run).
+COUNTER_KEYS = ("preemptions", "recomputed_tokens", "swap_out_bytes", "swap_in_bytes", "swap_ops", "swap_stall_s")
+# Server-side times averaged over requests (mean seconds per request).
+MEAN_TIME_KEYS = ("queue_s", "exec_s")
+
+RESULT_TOOLS = ("simulate", "bench")
+
+
+@dataclass
+class RequestRecord:
+    """What one request did, as seen by the client (times in seconds on one clock) plus optional
+    server-side counters (zero when the server does not report them)."""
+
+    request_id: str
+    arrival: float
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token arrived
+    finish_time: float | None = None
+    ok: bool = True
+    error: str | None = None
+    user: str | None = None
+    priority: int | None = None
+    preemptions: int = 0
+    recomputed_tokens: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_ops: int = 0
+    swap_stall_s: float = 0.0
+    queue_s: float = 0.0  # waiting (never run or preempted) between arrival and finish
+    exec_s: float = 0.0  # in a running batch
+
+    @classmethod
+    def from_token_times(cls, request_id: str, arrival: float, token_times: Sequence[float],
+                         prompt_tokens: int = 0, finish_time: float | None = None, **extra: Any) -> RequestRecord:
+        """A finished request from its token timestamps; finish defaults to the last token."""
+        times = [float(t) for t in token_times]
+        return cls(request_id=request_id, arrival=arrival, prompt_tokens=prompt_tokens, output_tokens=len(times),
+                   first_token_time=times[0] if times else None, token_times=times,
+                   finish_time=finish_time if finish_time is not None else (times[-1] if times else None), **extra)
+
+    @property
+    def finished(self) -> bool:
+        return self.ok and self.finish_time is not None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.finish_time - self.arrival if self.finished else None
+
+    @property
+    def normalized_latency(self) -> float | None:
+        e2e = self.e2e
+        return e2e / self.output_tokens if e2e is not None and self.output_tokens > 0 else None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.first_token_time - self.arrival if self.ok and self.first_token_time is not None else None
+
+    @property
+    def tbt(self) -> list[float]:
+        return np.diff(self.token_times).tolist() if self.ok and len(self.token_times) > 1 else []
+
+    @property
+    def tpot(self) -> float | None:
+        e2e, ttft = self.e2e, self.ttft
+        if e2e is None or ttft is None or self.output_tokens < 2:
+            return None
+        return (e2e - ttft) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objective; None fields are not checked. Per request, a finished request
+    meets it when its normalized latency, TTFT and TPOT are each within their bound; for a
+    whole run (the paper protocol) the mean normalized latency is compared instead."""
+
+    mean_normalized_latency: float | None = None
+    ttft: float | None = None
+    tpot: float | None = None
+
+    def to_dict(self) -> dict[str, float | None]:
+        return {"mean_normalized_latency": self.mean_normalized_latency, "ttft": self.ttft, "tpot": self.tpot}
+
+    @classmethod
+    def from_any(cls, slo: SLO | Mapping[str, Any] | float | None) -> SLO:
+        """An SLO from an SLO, a results-file dict, a bare number (normalized latency) or None."""
+        if slo is None:
+            return cls()
+        if isinstance(slo, SLO):
+            return slo
+        if isinstance(slo, Mapping):
+            return cls(slo.get("mean_normalized_latency"), slo.get("ttft"), slo.get("tpot"))
+        return cls(mean_normalized_latency=float(slo))
+
+    def is_set(self) -> bool:
+        return any(v is not None for v in (self.mean_normalized_latency, self.ttft, self.tpot))
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile: the smallest value with at least q% of values <= it; None if empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    arr = np.sort(np.fromiter((float(v) for v in values), dtype=float))
+    if len(arr) == 0:
+        return None
+    rank = max(math.ceil(q / 100 * len(arr) - 1e-9), 1)  # tolerance: 99.9/100*1000 must be rank 999
+    return float(arr[rank - 1])
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) if len(values) else None
+
+
+def meets_slo(rec: RequestRecord, slo: SLO) -> bool:
+    """Whether one request met the SLO; failed or unfinished requests never do."""
+    if not rec.finished:
+        return False
+    checks = ((slo.mean_normalized_latency, rec.normalized_latency), (slo.ttft, rec.ttft), (slo.tpot, rec.tpot))
+    # A metric the request does not define (TPOT of a one-token answer) cannot violate its bound.
+    return all(bound is None or value is None or value <= bound for bound, value in checks)
+
+
+def makespan(records: Sequence[RequestRecord]) -> float | None:
+    """First arrival to last finish (failed requests included: they held the server too)."""
+    ends = [r.finish_time for r in records if r.finish_time is not None]
+    if not records or not ends:
+        return None
+    return max(ends) - min(r.arrival for r in records)
+
+
+def slo_attainment(records: Sequence[RequestRecord], slo: SLO) -> float | None:
+    """Share of all requests (failed ones in the denominator) that met the SLO."""
+    return sum(meets_slo(r, slo) for r in records) / len(records) if records else None
+
+
+def goodput(records: Sequence[RequestRecord], slo: SLO) -> float | None:
+    """Requests per second of makespan that met the SLO."""
+    span = makespan(records)
+    if not span or span <= 0:
+        return None
+    return sum(meets_slo(r, slo) for r in records) / span
+
+
+def summarize(records: Sequence[RequestRecord], slo: SLO | Mapping[str, Any] | float | None = None,
+              counters: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """All METRIC_KEYS plus percentiles, counts, SLO attainment and goodput for one run.
+
+    Latency statistics cover finished requests; throughput is finished requests (and their output
+    tokens) over the makespan. `counters` (e.g. engine-wide swap totals) override the per-request
+    sums of the same keys.
+    """
+    done = [r for r in records if r.finished]
+    norm = [x for x in (r.normalized_latency for r in done) if x is not None]
+    ttft = [x for x in (r.ttft for r in done) if x is not None]
+    tpot = [x for x in (r.tpot for r in done) if x is not None]
+    jct = [r.e2e for r in done]
+    tbt = [g for r in done for g in r.tbt]
+    span = makespan(records)
+    rate_ok = span is not None and span > 0
+    out: dict[str, Any] = {
+        "num_requests": len(records), "num_finished": len(done), "num_failed": len(records) - len(done),
+        "mean_normalized_latency": _mean(norm),
+        "p50_normalized_latency": percentile(norm, 50), "p95_normalized_latency": percentile(norm, 95),
+        "p99_normalized_latency": percentile(norm, 99),
+        "mean_ttft": _mean(ttft), "p50_ttft": percentile(ttft, 50), "p95_ttft": percentile(ttft, 95),
+        "p99_ttft": percentile(ttft, 99), "p999_ttft": percentile(ttft, 99.9),
+        "mean_tbt": _mean(tbt), "p50_tbt": percentile(tbt, 50), "p99_tbt": percentile(tbt, 99),
+        "p999_tbt": percentile(tbt, 99.9),
+        "mean_tpot": _mean(tpot), "p99_tpot": percentile(tpot, 99),
+        "mean_jct": _mean(jct), "p50_jct": percentile(jct, 50), "p95_jct": percentile(jct, 95),
+        "p99_jct": percentile(jct, 99),
+        "makespan_s": span,
+        "throughput_rps": len(done) / span if rate_ok else 0.0,
+        "throughput_tok_s": sum(r.output_tokens for r in done) / span if rate_ok else 0.0,
+    }
+    for key in COUNTER_KEYS:
+        total = sum(getattr(r, key) for r in records)
+        out[key] = float(total) if key == "swap_stall_s" else int(total)
+    for key in MEAN_TIME_KEYS:
+        out[key] = float(np.mean([getattr(r, key) for r in records])) if records else 0.0
+    if counters:
+        out.update({k: v for k, v in counters.items()})
+    slo_obj = SLO.from_any(slo)
+    if slo_obj.is_set():
+        out["slo_attainment"] = slo_attainment(records, slo_obj)
+        out["goodput_rps"] = goodput(records, slo_obj)
+    return out
+
+
+@dataclass(frozen=True)
+class MaxRate:
+    """Result of a rate sweep against an SLO.
+
+    censored: no sweep point exceeded the SLO, so the true maximum is at least `rate`.
+    infeasible: even the lowest rate exceeded it (`rate` is 0.0).
+    """
+
+    rate: float
+    censored: bool = False
+    infeasible: bool = False
+
+
+def max_rate_detail(rates: Sequence[float], metric_values: Sequence[float | None], slo: float) -> MaxRate:
+    """Highest rate whose metric stays <= slo, interpolated linearly between the last point within
+    the SLO and the first past it (sorted by rate; a None/NaN metric counts as past the SLO)."""
+    if len(rates) != len(metric_values):
+        raise ValueError(f"{len(rates)} rates but {len(metric_values)} metric values")
+    if not rates:
+        raise ValueError("max_rate_under_slo needs at least one sweep point")
+    points = sorted(zip((float(r) for r in rates),
+                        (math.nan if v is None else float(v) for v in metric_values)), key=lambda p: p[0])
+
+    def within(v: float) -> bool:
+        return not math.isnan(v) and v <= slo
+
+    first_bad = next((i for i, (_, v) in enumerate(points) if not within(v)), None)
+    if first_bad is None:
+        return MaxRate(points[-1][0], censored=True)
+    if first_bad == 0:
+        return MaxRate(0.0, infeasible=True)
+    (r0, v0), (r1, v1) = points[first_bad - 1], points[first_bad]
+    if math.isnan(v1) or math.isinf(v1):
+        return MaxRate(r0)  # nothing to interpolate toward: keep the last rate known to be within
+    return MaxRate(r0 + (slo - v0) * (r1 - r0) / (v1 - v0))
+
+
+def max_rate_under_slo(rates: Sequence[float], metric_values: Sequence[float | None], slo: float) -> float:
+    """`max_rate_detail(...).rate`: 0.0 if even the lowest rate fails; the highest rate if none
+    fails (check `max_rate_detail(...).censored` to tell that case apart)."""
+    return max_rate_detail(rates, metric_values, slo).rate
+
+
+def run_entry(policy: str, preemption: str | None, rate: float | None, metrics: Mapping[str, Any], *,
+              load: float | None = None, cv: float | None = None, num_requests: int | None = None,
+              seed: int | None = None, **extra: Any) -> dict[str, Any]:
+    """One element of a results file's "runs" list."""
+    missing = [k for k in METRIC_KEYS if k not in metrics]
+    if missing:
+        raise ValueError(f"run metrics missing required keys: {', '.join(missing)}")
+    return {"policy": policy, "preemption": preemption, "rate": rate, "load": load, "cv": cv,
+            "num_requests": num_requests, "seed": seed, **extra, "metrics": dict(metrics)}
+
+
+def run_key(run: Mapping[str, Any], runs: Sequence[Mapping[str, Any]]) -> str:
+    """The summary key of a run: its policy, plus "/preemption" when one policy ran with several."""
+    modes = {r.get("preemption") for r in runs if r.get("policy") == run.get("policy")}
+    return f"{run['policy']}/{run.get('preemption')}" if len(modes) > 1 else str(run["policy"])
+
+
+def sweep_summary(runs: Sequence[Mapping[str, Any]], slo: SLO | Mapping[str, Any] | float,
+                  metric: str = "mean_normalized_latency",
+                  fcfs_saturation_rps: float | None = None) -> dict[str, Any]:
+    """The results file's "summary": max rate under the SLO per policy, from runs with a rate.
+
+    The bound is the SLO's mean_normalized_latency (the paper protocol), or `slo` itself when it is a
+    number: pass e.g. metric="p99_ttft", slo=2.0 to sweep against another metric.
+    """
+    bound = SLO.from_any(slo).mean_normalized_latency if not isinstance(slo, (int, float)) else float(slo)
+    if bound is None:
+        raise ValueError("sweep_summary needs a numeric bound for the metric")
+    groups: dict[str, list[tuple[float, float | None]]] = {}
+    for run in runs:
+        if run.get("rate") is None:
+            continue
+        groups.setdefault(run_key(run, runs), []).append((float(run["rate"]), run["metrics"].get(metric)))
+    detail = {k: max_rate_detail([p[0] for p in pts], [p[1] for p in pts], bound) for k, pts in groups.items()}
+    return {"max_rate_under_slo": {k: d.rate for k, d in detail.items()},
+            "max_rate_censored": sorted(k for k, d in detail.items() if d.censored),
+            "slo_metric": metric, "fcfs_saturation_rps": fcfs_saturation_rps}
+
+
+def results_file(tool: str, workload: Mapping[str, Any], profile: str, slo: SLO | Mapping[str, Any] | float | None,
+                 runs: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The DESIGN.md results-file dict (written by `bench` and `simulate` with --out)."""
+    if tool not in RESULT_TOOLS:
+        raise ValueError(f"tool must be one of {', '.join(RESULT_TOOLS)}, got {tool!r}")
+    for i, run in enumerate(runs):
+        if "policy" not in run or "metrics" not in run:
+            raise ValueError(f"run {i} needs 'policy' and 'metrics'")
+        missing = [k for k in METRIC_KEYS if k not in run["metrics"]]
+        if missing:
+            raise ValueError(f"run {i} ({run['policy']}) metrics missing: {', '.join(missing)}")
+    summ = dict(summary)
+    summ.setdefault("max_rate_under_slo", {})
+    summ.setdefault("fcfs_saturation_rps", None)
+    return {"tool": tool, "workload": dict(workload), "profile": profile, "slo": SLO.from_any(slo).to_dict(),
+            "runs": [dict(r) for r in runs], "summary": summ}
+
+
+__all__ = ["METRIC_KEYS", "COUNTER_KEYS", "RequestRecord", "SLO", "MaxRate", "percentile", "meets_slo", "makespan",
+           "slo_attainment", "goodput", "summarize", "max_rate_detail", "max_rate_under_slo", "run_entry", "run_key",
+           "sweep_summary", "results_file"]

@@ -1,0 +1,348 @@
+"""AsyncEngine: runs Engine.step() in a background thread and streams each request's outputs
+into its own asyncio queue (DESIGN.md, Data flow).
+
+The Engine is not thread-safe, so only the loop thread touches it. The asyncio side sends
+commands (add, abort, stop) through a thread-safe queue that the loop drains between steps, and
+the loop hands results back with `call_soon_threadsafe`. An abort therefore takes effect before
+the next iteration. When no request is live the loop blocks on the command queue instead of
+spinning.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenslice.engine.engine import Engine
+from tokenslice.request import InvalidRequestError, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# Consecutive failed steps after which the engine is declared dead (/health turns 503):
+# one fault may be a bad batch; a run of them means the engine itself is broken.
+MAX_CONSECUTIVE_FAULTS = 3
+
+
+class EngineOverloadedError(RuntimeError):
+    """More requests wait for their first token than the server admits; retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running."""
+
+
+class EngineFaultError(RuntimeError):
+    """The engine failed while this request was in flight (a server fault, not the client's)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the loop publishes after every iteration; read from any thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preempted: int = 0
+    num_swapped: int = 0
+    device_blocks_used: int = 0
+    device_blocks_total: int = 0
+    host_blocks_used: int = 0
+    host_blocks_total: int = 0
+    num_preemptions: int = 0
+    swap_in_bytes: int = 0
+    swap_out_bytes: int = 0
+    num_steps: int = 0
+    num_faults: int = 0
+
+
+def _count(obj: object, name: str) -> int:
+    # Host swapping arrives later; until the scheduler grows these attributes they read 0.
+    value = getattr(obj, name, 0)
+    return int(value) if isinstance(value, (int, float)) else 0
+
+
+def read_stats(engine: Engine, num_faults: int = 0) -> EngineStats:
+    """Snapshot of scheduler and KV state; call only from the thread that owns the engine."""
+    sched = engine.scheduler
+    kv = sched.kv
+    host = getattr(kv, "host", None)
+    return EngineStats(
+        num_running=sched.num_running, num_waiting=sched.num_waiting, num_preempted=sched.num_preempted,
+        num_swapped=_count(sched, "num_swapped"),
+        device_blocks_used=kv.device.num_blocks - kv.num_free_device_blocks,
+        device_blocks_total=kv.device.num_blocks,
+        host_blocks_used=_count(host, "num_used") if host is not None else 0,
+        host_blocks_total=_count(host, "num_blocks") if host is not None else 0,
+        num_preemptions=sched.num_preemptions,
+        swap_in_bytes=_count(sched, "swap_in_bytes"), swap_out_bytes=_count(sched, "swap_out_bytes"),
+        num_steps=engine.num_steps, num_faults=num_faults)
+
+
+class RequestStream:
+    """One request's outputs, in order; iterate with `async for`. Ends after the final output,
+    or raises EngineFaultError / EngineDeadError if the engine failed the request."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.accepted: asyncio.Future[None] = loop.create_future()
+        self.finished = False
+        self.queued = True  # counted against max_waiting until its first output
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt: list[int]
+    params: SamplingParams
+    arrival_time: float | None
+    user: str | None
+    priority: int
+    expected_output_tokens: int | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class _LoopState:
+    """Owned by the loop thread."""
+
+    streams: dict[str, RequestStream] = field(default_factory=dict)
+    consecutive_faults: int = 0
+    num_faults: int = 0
+
+
+OutputObserver = Callable[[RequestOutput], None]
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, *, max_waiting: int = 1024,
+                 observer: OutputObserver | None = None) -> None:
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.observer = observer  # called in the loop thread for every output (metrics)
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._state = _LoopState()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._alive = False
+        self._lock = threading.Lock()  # orders "loop ended" against enqueuing an add
+        self._num_queued = 0  # event-loop side: admitted requests without a first output yet
+        self.stats = read_stats(engine)
+
+    # ---- lifecycle (event-loop side) --------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop thread; call from the event loop that will consume the streams."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncEngine already started")
+        self._loop = asyncio.get_running_loop()
+        self._alive = True
+        self._thread = threading.Thread(target=self._run, name="tokenslice-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("engine loop did not stop within %.0f s", timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._alive and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    # ---- requests (event-loop side) ---------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, *,
+                          arrival_time: float | None = None, user: str | None = None, priority: int = 0,
+                          expected_output_tokens: int | None = None) -> RequestStream:
+        """Queue a request; returns once the engine accepted it. Raises InvalidRequestError for a
+        request the engine refuses, EngineOverloadedError when max_waiting requests already
+        wait for their first token, EngineDeadError when the loop is not running."""
+        if self._loop is None:
+            raise EngineDeadError("the engine loop was never started")
+        if self._num_queued >= self.max_waiting:
+            raise EngineOverloadedError(f"{self._num_queued} requests are already waiting")
+        stream = RequestStream(request_id, self._loop)
+        with self._lock:
+            if not self.is_alive:
+                raise EngineDeadError("the engine loop is not running")
+            self._commands.put(_Add(stream, prompt, params, arrival_time, user, priority, expected_output_tokens))
+        self._num_queued += 1
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(stream)  # the client went away while the request was being queued
+            raise
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Stop a request (its client left); its KV blocks are freed before the next step."""
+        self._unqueue(stream)
+        if not stream.finished:
+            stream.finished = True
+            self._commands.put(_Abort(stream.request_id))
+
+    def _unqueue(self, stream: RequestStream) -> None:
+        if stream.queued:
+            stream.queued = False
+            self._num_queued -= 1
+
+    # ---- loop thread -> event loop ----------------------------------------------------------
+    def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
+        if error is not None:
+            self._unqueue(stream)
+        if not stream.accepted.done():  # done already if the handler was cancelled
+            if error is None:
+                stream.accepted.set_result(None)
+            else:
+                stream.accepted.set_exception(error)
+
+    def _deliver(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+        for stream, item in items:
+            self._unqueue(stream)
+            if not stream.accepted.done():  # failed before the handler heard it was accepted
+                if isinstance(item, BaseException):
+                    stream.accepted.set_exception(item)
+                    continue
+                stream.accepted.set_result(None)
+            stream._queue.put_nowait(item)
+
+    # ---- the loop (its own thread; the only code that touches the engine) --------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished()
+                if not self._drain(block=idle):
+                    break
+                if self.engine.has_unfinished():
+                    self._step()
+                self.stats = read_stats(self.engine, self._state.num_faults)
+        except Exception:
+            log.exception("engine loop crashed")
+        finally:
+            with self._lock:
+                self._alive = False
+            dead = EngineDeadError("the engine loop stopped")
+            streams, self._state.streams = self._state.streams, {}
+            if streams:
+                self._call_soon(self._deliver, [(s, dead) for s in streams.values()])
+            self._fail_pending(dead)
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """Refuse adds still in the command queue after the loop ended."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                self._call_soon(self._settle, cmd.stream, error)
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one if `block`); False when told to stop."""
+        cmds = [self._commands.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in cmds:
+            if isinstance(cmd, _Stop):
+                return False
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                self._abort(cmd.request_id)
+        return True
+
+    def _add(self, cmd: _Add) -> None:
+        rid = cmd.stream.request_id
+        try:
+            self.engine.add_request(cmd.prompt, cmd.params, request_id=rid, arrival_time=cmd.arrival_time,
+                                    user=cmd.user, priority=cmd.priority,
+                                    expected_output_tokens=cmd.expected_output_tokens)
+        except InvalidRequestError as e:
+            self._call_soon(self._settle, cmd.stream, e)
+            return
+        except Exception as e:  # a fault in the engine, not in the request
+            log.exception("request %s: engine failed to add it", rid)
+            self._call_soon(self._settle, cmd.stream, EngineFaultError(f"engine failed to add request: {e}"))
+            return
+        self._state.streams[rid] = cmd.stream
+        self._call_soon(self._settle, cmd.stream, None)
+
+    def _abort(self, request_id: str) -> None:
+        if self._state.streams.pop(request_id, None) is not None:
+            self.engine.abort_request(request_id)
+            log.debug("request %s aborted", request_id)
+
+    def _step(self) -> None:
+        st = self._state
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            st.num_faults += 1
+            st.consecutive_faults += 1
+            log.exception("engine step failed; failing requests %s", ", ".join(st.streams) or "(none)")
+            streams, st.streams = st.streams, {}
+            for rid in streams:
+                self.engine.abort_request(rid)  # if even this fails, the loop dies and /health says so
+            fault = EngineFaultError("the engine failed while running this request")
+            self._call_soon(self._deliver, [(s, fault) for s in streams.values()])
+            if st.consecutive_faults >= MAX_CONSECUTIVE_FAULTS:
+                raise RuntimeError(f"{st.consecutive_faults} engine steps failed in a row") from None
+            return
+        st.consecutive_faults = 0
+        items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        for out in outputs:
+            if self.observer is not None:
+                try:
+                    self.observer(out)
+                except Exception:  # metrics must never take the engine down
+                    log.exception("output observer failed")
+            stream = st.streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del st.streams[out.request_id]
+            items.append((stream, out))
+        if items:
+            self._call_soon(self._deliver, items)

@@ -1,0 +1,27 @@
+"""SimulatedExecutor: runs no model; each step costs what the CostModel says (DESIGN.md).
+
+Sampled tokens are a placeholder id: simulated requests end by their max_tokens (the
+trace's output length), as serving papers replay datasets.
+"""
+from __future__ import annotations
+
+from tokenslice.plan import StepPlan, StepResult
+from tokenslice.predict.cost import BatchShape, CostModel
+
+PLACEHOLDER_TOKEN = 0
+
+
+class SimulatedExecutor:
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+
+    @staticmethod
+    def shape(plan: StepPlan) -> BatchShape:
+        return BatchShape.from_lengths(prefill=[(s.num_tokens, s.start_pos) for s in plan.prefill],
+                                       decode=[s.start_pos + 1 for s in plan.decode])
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if plan.is_empty:
+            return StepResult()
+        sampled = {s.request_id: PLACEHOLDER_TOKEN for s in plan.slices if s.sample}
+        return StepResult(sampled=sampled, step_seconds=self.cost.iteration_seconds(self.shape(plan)))

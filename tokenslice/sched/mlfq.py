@@ -1,0 +1,162 @@
+"""Multi-level feedback queues (FastServe §4.1): classic MLFQ, skip-join MLFQ, and the
+fixed-priority baseline that orders by input length only."""
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+
+from tokenslice.request import Request
+from tokenslice.sched.policy import PolicyContext, queue_position_estimates
+
+# Starvation limit when none is configured: the time to generate this many tokens at the
+# SLO pace (normalized-latency SLO x tokens). A job paused this long is already failing it.
+STARVATION_SLO_TOKENS = 50
+
+
+class SkipJoinMLFQPolicy:
+    """Queues Q1..Qn with quanta q1 * ratio**i; q1 is the shortest iteration (FastServe Alg. 1).
+
+    Skip-join: an arriving job enters the highest queue whose quantum covers its first
+    iteration (its prefill), so long prompts do not first block Q1. Classic MLFQ
+    (`skip_join=False`) enters everyone at Q1. A job that uses up its quantum is demoted to the
+    next queue whose quantum covers its next iteration. A job that waited longer than the
+    starvation limit is promoted to Q1, with an extra quantum when its next iteration would
+    not fit in q1.
+    """
+
+    def __init__(self, ctx: PolicyContext, skip_join: bool = True) -> None:
+        cfg = ctx.config
+        self.ctx = ctx
+        self.name = "skip-join-mlfq" if skip_join else "mlfq"
+        self.skip_join = skip_join
+        q1 = ctx.min_iteration_s()
+        self.quanta = [q1 * cfg.mlfq_quantum_ratio ** i for i in range(cfg.mlfq_num_queues)]
+        self.starvation_limit = cfg.starvation_limit_s or STARVATION_SLO_TOKENS * ctx.slo_normalized_latency()
+        self.queues: list[dict[str, Request]] = [{} for _ in self.quanta]
+        self.level: dict[str, int] = {}
+        self.budget: dict[str, float] = {}  # quantum left at the current level
+        self.last_run: dict[str, float] = {}  # last time the job ran (or arrived, or was promoted)
+        self._starve_heap: list[tuple[float, int, str]] = []  # (last_run, tiebreak, id); lazy deletion
+        self._tiebreak = itertools.count()
+        self.num_promotions = 0
+        self.num_demotions = 0
+
+    # ---- queue moves ----------------------------------------------------------------------
+    def _level_for(self, seconds: float, at_least: int = 0) -> int:
+        """Highest queue at or below `at_least` whose quantum covers `seconds`."""
+        i = bisect.bisect_left(self.quanta, seconds, lo=at_least)
+        return min(i, len(self.quanta) - 1)
+
+    def _place(self, req: Request, level: int, budget: float, now: float) -> None:
+        rid = req.request_id
+        old = self.level.get(rid)
+        if old is not None:
+            self.queues[old].pop(rid, None)
+        self.queues[level][rid] = req
+        self.level[rid] = level
+        self.budget[rid] = budget
+        self._touch(rid, now)
+
+    def _touch(self, rid: str, now: float) -> None:
+        self.last_run[rid] = now
+        heapq.heappush(self._starve_heap, (now, next(self._tiebreak), rid))
+
+    def _next_iteration_s(self, req: Request) -> float:
+        if req.num_computed_tokens == 0:  # (re)starts with a prefill of everything it has
+            return self.ctx.first_iteration_s(req.num_tokens)
+        return self.ctx.decode_s(req.num_tokens)
+
+    # ---- Policy protocol ------------------------------------------------------------------
+    def on_arrival(self, req: Request, now: float) -> None:
+        level = self._level_for(self.ctx.first_iteration_s(req.num_prompt_tokens)) if self.skip_join else 0
+        self._place(req, level, self.quanta[level], now)
+
+    def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
+        for req in ran:
+            rid = req.request_id
+            if rid not in self.level:
+                continue
+            left = self.budget[rid] - step_seconds
+            if left > 0:
+                self.budget[rid] = left
+                self._touch(rid, now)
+                continue
+            # Quantum used up: demote to the next queue that fits the next iteration.
+            level = self._level_for(self._next_iteration_s(req), self.level[rid] + 1)
+            self.num_demotions += 1
+            self._place(req, level, self.quanta[level], now)
+        self._promote_starving(now)
+
+    def _promote_starving(self, now: float) -> None:
+        heap = self._starve_heap
+        while heap and heap[0][0] + self.starvation_limit <= now:
+            t, _, rid = heapq.heappop(heap)
+            if self.last_run.get(rid) != t:
+                continue  # stale entry: the job ran or finished since
+            req = self.queues[self.level[rid]][rid]
+            # FastServe §4.1: a promoted job whose next iteration exceeds q1 gets the quantum it
+            # needs, so it is not demoted straight back without progress.
+            self.num_promotions += 1
+            self._place(req, 0, max(self.quanta[0], self._next_iteration_s(req)), now)
+
+    def on_finish(self, req: Request) -> None:
+        rid = req.request_id
+        level = self.level.pop(rid, None)
+        if level is not None:
+            self.queues[level].pop(rid, None)
+        self.budget.pop(rid, None)
+        self.last_run.pop(rid, None)
+
+    def ranked(self, now: float) -> list[Request]:
+        self._promote_starving(now)
+        out: list[Request] = []
+        for q in self.queues:
+            out.extend(q.values())
+        return out
+
+    def next_run_estimate(self, req: Request, now: float) -> float:
+        """FastServe §4.2 ENST: the sooner of promotion and the drain of higher-priority work."""
+        return self.next_run_estimates(now).get(req.request_id, 0.0)
+
+    def next_run_estimates(self, now: float) -> dict[str, float]:
+        ranked = self.ranked(now)
+        exec_s = queue_position_estimates(ranked, self.budget, self.ctx.max_batch_size)
+        return {rid: min(t, max(0.0, self.last_run[rid] + self.starvation_limit - now))
+                for rid, t in exec_s.items()}
+
+
+class FixedPriorityPolicy:
+    """Shorter input first, fixed for the job's life (FastServe's fixed-priority baseline)."""
+
+    name = "fixed-priority"
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+        self._keys: list[tuple[int, float, int, str]] = []
+        self._reqs: dict[str, Request] = {}
+        self._order = itertools.count()
+        self._key_of: dict[str, tuple[int, float, int, str]] = {}
+
+    def on_arrival(self, req: Request, now: float) -> None:
+        key = (req.num_prompt_tokens, req.arrival_time, next(self._order), req.request_id)
+        bisect.insort(self._keys, key)
+        self._key_of[req.request_id] = key
+        self._reqs[req.request_id] = req
+
+    def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
+        pass
+
+    def on_finish(self, req: Request) -> None:
+        key = self._key_of.pop(req.request_id, None)
+        if key is not None:
+            del self._keys[bisect.bisect_left(self._keys, key)]
+            del self._reqs[req.request_id]
+
+    def ranked(self, now: float) -> list[Request]:
+        return [self._reqs[k[3]] for k in self._keys]
+
+    def next_run_estimate(self, req: Request, now: float) -> float:
+        ranked = self.ranked(now)
+        per_job = {r.request_id: self.ctx.decode_s(r.num_tokens) * r.params.max_tokens for r in ranked}
+        return queue_position_estimates(ranked, per_job, self.ctx.max_batch_size).get(req.request_id, 0.0)

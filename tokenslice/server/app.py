@@ -1,0 +1,610 @@
+"""FastAPI app: OpenAI-compatible routes over an AsyncEngine (DESIGN.md, Data flow).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+/v1/* need `Authorization: Bearer KEY` when an API key is set; /health and /metrics stay open
+so that probes and scrapers need no secret.
+
+One log line per generation request (id, tokens, finish reason, latency); prompt and output
+text are never logged.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenslice.engine.async_engine import (AsyncEngine, EngineDeadError, EngineFaultError,
+                                            EngineOverloadedError, RequestStream)
+from tokenslice.engine.engine import Engine
+from tokenslice.request import InvalidRequestError, RequestOutput, SamplingParams
+from tokenslice.server.metrics import ServerMetrics
+from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                        ChatCompletionResponse, ChatMessage, ChatMessageOut, ChatStreamChoice,
+                                        CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
+                                        DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo,
+                                        SamplingFields)
+
+log = logging.getLogger("tokenslice.server")
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# Temperatures below this sample greedily: dividing logits by ~0 would overflow to inf and NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_waiting: int = 1024  # requests admitted but without a first token; more get 429
+    max_body_bytes: int = 4 * 1024 * 1024
+    retry_after_s: int = 1
+
+
+class APIError(Exception):
+    """An error to send as OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+_STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def _error_type(status: int) -> str:
+    return _STATUS_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+# ---- ASGI middleware (pure ASGI: BaseHTTPMiddleware would break disconnect detection) ------------
+class APIKeyMiddleware:
+    """401 on /v1/* without `Authorization: Bearer <key>`; other paths stay open."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if (self.expected is None or scope["type"] != "http"
+                or not (path == "/v1" or path.startswith("/v1/"))):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):  # constant time: no key guessing by timing
+            await self.app(scope, receive, send)
+            return
+        resp = error_response(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over the limit. The body is read here (it would be buffered by
+    the JSON parser anyway) and replayed to the app; the original `receive` then stays
+    available so handlers can notice a disconnect."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left before sending its body: nobody to answer
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            if not msg.get("more_body", False):
+                break
+        pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        resp = error_response(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large",
+                              headers={"Connection": "close"})
+        await resp(scope, receive, send)
+
+
+# ---- per-request bookkeeping --------------------------------------------------------------------
+@dataclass
+class _Track:
+    """What the request log line reports; updated as outputs arrive."""
+
+    request_id: str
+    route: str
+    start: float
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    outcome: str = "ok"
+
+    def update(self, out: RequestOutput) -> None:
+        self.prompt_tokens = out.num_prompt_tokens
+        self.completion_tokens = out.num_output_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+
+    def log(self) -> None:
+        log.info("%s %s status=%d prompt_tokens=%d completion_tokens=%d finish=%s latency=%.3fs%s",
+                 self.request_id, self.route, self.status, self.prompt_tokens, self.completion_tokens,
+                 self.finish_reason, time.monotonic() - self.start,
+                 "" if self.outcome == "ok" else f" ({self.outcome})")
+
+    @property
+    def usage(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                         total_tokens=self.prompt_tokens + self.completion_tokens)
+
+
+class _EngineStreamResponse(StreamingResponse):
+    """Server-sent events whose `on_close` runs however the response ends: finished, client
+    disconnected (Starlette cancels the body iterator) or failed. That is where an
+    unfinished request is aborted, so its KV blocks are freed."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], request_id: str) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body was read already, so the next message the server delivers is the disconnect.
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class _ClientGone(Exception):
+    pass
+
+
+# ---- the server ---------------------------------------------------------------------------------
+class Server:
+    """Request handling shared by the routes; holds the AsyncEngine and the metrics."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting)
+        self.metrics = ServerMetrics(settings.served_model_name, lambda: self.async_engine.stats,
+                                     lambda: self.async_engine.num_queued)
+        self.async_engine.observer = self.metrics.observe
+
+    # ---- request -> engine inputs ---------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(400, f"model {model!r} is not served here; available: {self.settings.served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    @staticmethod
+    def refuse_unsupported(body: SamplingFields) -> None:
+        if body.n != 1:
+            raise APIError(400, "n > 1 is not supported yet; send one request per choice", param="n")
+        if body.presence_penalty or body.frequency_penalty:
+            param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
+            raise APIError(400, f"{param} is not supported yet; leave it at 0", param=param)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int) -> SamplingParams:
+        temperature = 1.0 if body.temperature is None else body.temperature
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k is None else body.top_k,
+            seed=body.seed, stop=stop, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+        try:
+            params.validate()
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        return params
+
+    def tokenize_prompt(self, prompt: str) -> list[int]:
+        try:
+            return self.engine.tokenize(prompt)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """Messages -> token ids through the model's chat template."""
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise APIError(400, f"model {self.settings.served_model_name!r} has no chat template, so it cannot "
+                                "serve /v1/chat/completions; use /v1/completions with a plain prompt",
+                           param="messages", code="chat_template_missing")
+        conversation = []
+        for i, m in enumerate(messages):
+            entry: dict[str, Any] = {"role": m.role, "content": self._message_text(m, i)}
+            if m.name is not None:
+                entry["name"] = m.name
+            conversation.append(entry)
+        try:
+            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
+            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+        # The template already places any special tokens (BOS) it wants.
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    @staticmethod
+    def _message_text(m: ChatMessage, i: int) -> str:
+        if m.content is None or isinstance(m.content, str):
+            return m.content or ""
+        parts = []
+        for part in m.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                               param="messages")
+            parts.append(part.text)
+        return "".join(parts)
+
+    async def submit(self, track: _Track, prompt: list[int], params: SamplingParams, body: SamplingFields,
+                     arrival: float) -> RequestStream:
+        try:
+            return await self.async_engine.add_request(
+                track.request_id, prompt, params, arrival_time=arrival, user=body.user, priority=body.priority,
+                expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except EngineOverloadedError:
+            self.metrics.reject(429)
+            raise APIError(429, f"server overloaded: more than {self.settings.max_waiting} requests are waiting; "
+                                "retry later", type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        except EngineDeadError:
+            self.metrics.reject(503)
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        except EngineFaultError as e:
+            raise self.fault(track.request_id, e) from None
+
+    @staticmethod
+    def fault(request_id: str, e: BaseException) -> APIError:
+        log.error("%s failed in the engine: %s", request_id, e)
+        return APIError(500, f"internal engine error (request id {request_id})", type="server_error",
+                        code="engine_error")
+
+    async def collect(self, stream: RequestStream, request: Request, track: _Track) -> str:
+        """Run a non-streamed request to its end; abort it if the client disconnects first."""
+        async def consume() -> str:
+            parts = []
+            async for out in stream:
+                track.update(out)
+                parts.append(out.text_delta)
+            return "".join(parts)
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled (server shutdown)
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()
+                self.async_engine.abort(stream)
+        if consumer not in done:
+            raise _ClientGone()
+        try:
+            return consumer.result()
+        except (EngineFaultError, EngineDeadError) as e:
+            raise self.fault(track.request_id, e) from None
+
+    def streaming(self, track: _Track, stream: RequestStream, events: AsyncIterator[str]) -> _EngineStreamResponse:
+        def on_close() -> None:
+            if not stream.finished:
+                self.async_engine.abort(stream)
+                track.outcome = "client disconnected; aborted"
+            track.log()
+
+        return _EngineStreamResponse(events, on_close, track.request_id)
+
+    def error_event(self, track: _Track, e: BaseException) -> str:
+        err = self.fault(track.request_id, e)
+        track.status = 500
+        return _sse(ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, code=err.code))
+                    .model_dump_json())
+
+    # ---- routes ----------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        track = self.new_track(request, "cmpl", "/v1/completions")
+        self.check_model(body.model)
+        self.refuse_unsupported(body)
+        if body.logprobs is not None:
+            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        prompt = _single_prompt(body.prompt)
+        params = self.sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
+        ids = await run_in_threadpool(self.tokenize_prompt, prompt) if isinstance(prompt, str) else prompt
+        stream = await self.submit(track, ids, params, body, track.start)
+        echo = ""
+        if body.echo:  # ids were accepted, so they decode
+            echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids) if self.engine.tokenizer else ""
+        model, created = self.settings.served_model_name, int(time.time())
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(text: str, finish: str | None) -> str:
+                return _sse(CompletionChunk(id=track.request_id, created=created, model=model, choices=[
+                    CompletionChoice(text=text, finish_reason=finish)]).model_dump_json())
+
+            async def events() -> AsyncIterator[str]:
+                try:
+                    if echo:
+                        yield chunk(echo, None)
+                    async for out in stream:
+                        track.update(out)
+                        if out.text_delta or out.finished:
+                            yield chunk(out.text_delta, _finish(out))
+                    if include_usage:
+                        yield _sse(CompletionChunk(id=track.request_id, created=created, model=model, choices=[],
+                                                   usage=track.usage).model_dump_json())
+                except (EngineFaultError, EngineDeadError) as e:
+                    yield self.error_event(track, e)
+                yield _DONE
+
+            return self.streaming(track, stream, events())
+
+        text = await self._collect_or_log(stream, request, track)
+        resp = CompletionResponse(id=track.request_id, created=created, model=model, usage=track.usage, choices=[
+            CompletionChoice(text=echo + text, finish_reason=_finish_reason(track.finish_reason))])
+        track.log()
+        return JSONResponse(resp.model_dump(), headers={"X-Request-Id": track.request_id})
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        track = self.new_track(request, "chatcmpl", "/v1/chat/completions")
+        self.check_model(body.model)
+        self.refuse_unsupported(body)
+        if body.logprobs or body.top_logprobs is not None:
+            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        if body.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        ids = await run_in_threadpool(self.render_chat, body.messages, body.add_generation_prompt)
+        requested = body.max_completion_tokens or body.max_tokens
+        # Without a limit, a chat reply may use the rest of the context (the engine stops there).
+        params = self.sampling_params(body, requested or max(1, self.engine.max_model_len - len(ids)))
+        stream = await self.submit(track, ids, params, body, track.start)
+        model, created = self.settings.served_model_name, int(time.time())
+
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+            def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
+                return _sse(ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[
+                    ChatStreamChoice(delta=delta, finish_reason=finish)]).model_dump_json())
+
+            async def events() -> AsyncIterator[str]:
+                try:
+                    yield chunk(DeltaMessage(role="assistant", content=""))
+                    async for out in stream:
+                        track.update(out)
+                        if out.text_delta:
+                            yield chunk(DeltaMessage(content=out.text_delta))
+                        if out.finished:
+                            yield chunk(DeltaMessage(), _finish(out))
+                    if include_usage:
+                        yield _sse(ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[],
+                                                       usage=track.usage).model_dump_json())
+                except (EngineFaultError, EngineDeadError) as e:
+                    yield self.error_event(track, e)
+                yield _DONE
+
+            return self.streaming(track, stream, events())
+
+        text = await self._collect_or_log(stream, request, track)
+        resp = ChatCompletionResponse(id=track.request_id, created=created, model=model, usage=track.usage, choices=[
+            ChatChoice(message=ChatMessageOut(content=text), finish_reason=_finish_reason(track.finish_reason))])
+        track.log()
+        return JSONResponse(resp.model_dump(), headers={"X-Request-Id": track.request_id})
+
+    async def _collect_or_log(self, stream: RequestStream, request: Request, track: _Track) -> str:
+        try:
+            return await self.collect(stream, request, track)
+        except _ClientGone:
+            track.outcome = "client disconnected; aborted"
+            track.log()
+            raise
+        except APIError as e:
+            track.status = e.status
+            track.log()
+            raise
+
+    @staticmethod
+    def new_track(request: Request, prefix: str, route: str) -> _Track:
+        track = _Track(f"{prefix}-{uuid.uuid4().hex}", route, time.monotonic())
+        request.state.track = track  # the error handlers log with it
+        return track
+
+
+def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return prompt  # type: ignore[return-value]
+    if len(prompt) != 1:
+        raise APIError(400, "a list of several prompts is not supported; send one prompt per request",
+                       param="prompt")
+    return prompt[0]  # type: ignore[return-value]
+
+
+def _finish_reason(reason: str | None) -> str | None:
+    # The engine says "abort" only for requests whose client already left.
+    return reason if reason in ("stop", "length") else ("length" if reason else None)
+
+
+def _finish(out: RequestOutput) -> str | None:
+    return _finish_reason(out.finish_reason) if out.finished else None
+
+
+# ---- app factory ----------------------------------------------------------------------------------
+_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    413: {"model": ErrorResponse, "description": "Request body too large"},
+    429: {"model": ErrorResponse, "description": "Too many requests waiting; see Retry-After"},
+    500: {"model": ErrorResponse, "description": "Engine fault"},
+    503: {"model": ErrorResponse, "description": "Engine not running"},
+}
+_SSE_DOC = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    e = errors[0]
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    if e.get("type") == "json_invalid":
+        return "request body is not valid JSON", None
+    if not loc:
+        return f"request body: {e.get('msg', 'invalid')}", None
+    # The input value is deliberately left out: it may be prompt text, which is never echoed or logged.
+    param = ".".join(loc)
+    return f"{param}: {e.get('msg', 'invalid')}", loc[0]
+
+
+def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+    server = Server(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        server.async_engine.start()
+        log.info("serving %s (max_model_len=%d)", settings.served_model_name, engine.max_model_len)
+        try:
+            yield
+        finally:
+            await run_in_threadpool(server.async_engine.shutdown)
+
+    app = FastAPI(title="tokenslice", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible server with token-level preemptive scheduling")
+    app.state.server = server
+
+    def _log_error(request: Request, status: int, message: str) -> None:
+        track: _Track | None = getattr(request.state, "track", None)
+        if track is not None:
+            track.status = status
+            track.outcome = message
+            track.log()
+        else:
+            log.info("%s %s status=%d (%s)", request.method, request.url.path, status, message)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        _log_error(request, exc.status, exc.code or exc.type)
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        _log_error(request, 400, f"invalid {param or 'body'}")
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), _error_type(exc.status_code),
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(_ClientGone)
+    async def _gone(request: Request, exc: _ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        track: _Track | None = getattr(request.state, "track", None)
+        rid = track.request_id if track else f"req-{uuid.uuid4().hex}"
+        log.error("%s %s: unexpected error", rid, request.url.path, exc_info=exc)
+        return error_response(500, f"internal server error (request id {rid})", "server_error")
+
+    v1 = APIRouter(prefix="/v1", responses=_ERROR_DOCS)
+
+    @v1.post("/completions", response_model=None,
+             responses={200: {"model": CompletionResponse, "content": _SSE_DOC,
+                              "description": "A completion, or server-sent events when stream is true"}})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.completions(body, request)
+
+    @v1.post("/chat/completions", response_model=None,
+             responses={200: {"model": ChatCompletionResponse, "content": _SSE_DOC,
+                              "description": "A chat completion, or server-sent events when stream is true"}})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.chat_completions(body, request)
+
+    @v1.get("/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.served_model_name, max_model_len=engine.max_model_len)])
+
+    app.include_router(v1)
+
+    @app.get("/health", responses={503: {"description": "The engine loop is not running"}})
+    async def health() -> Response:
+        if server.async_engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine not running"}, status_code=503)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # Added last = outermost: the key is checked before any body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    return app
+

@@ -1,0 +1,114 @@
+"""Prometheus metrics for the server, named `tokenslice:*` after vLLM's `vllm:*` where vLLM has
+an equivalent (so existing dashboards need only the prefix changed).
+
+Gauges and engine-wide counters are read at scrape time from the AsyncEngine's latest stats
+snapshot; per-request histograms and token counters are fed by `observe`, which the engine
+loop calls for every output. Each app gets its own CollectorRegistry (no global state).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenslice.engine.async_engine import EngineStats
+from tokenslice.request import RequestOutput
+
+LABELS = ["model_name"]
+# Seconds; fine at the low end because CPU decode steps take milliseconds.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class _StatsCollector(Collector):
+    """Gauges and engine-wide counters from the latest EngineStats snapshot."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], queued: Callable[[], int]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+        self.queued = queued
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=LABELS)
+        g.add_metric([self.model_name], value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=LABELS)  # exposed with a _total suffix
+        c.add_metric([self.model_name], value)
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        yield self._gauge("tokenslice:num_requests_running", "Requests in the batch of the last step.",
+                          s.num_running)
+        yield self._gauge("tokenslice:num_requests_waiting", "Requests that have never run (or must recompute).",
+                          s.num_waiting)
+        yield self._gauge("tokenslice:num_requests_preempted", "Requests paused by the scheduler after running.",
+                          s.num_preempted)
+        yield self._gauge("tokenslice:num_requests_swapped", "Requests whose KV cache is in host memory.",
+                          s.num_swapped)
+        yield self._gauge("tokenslice:num_requests_admission_queue",
+                          "Requests admitted by the server that have no output yet (bounded by --max-waiting).",
+                          self.queued())
+        yield self._gauge("tokenslice:kv_cache_usage_perc", "Fraction of device KV blocks in use (1 = 100%).",
+                          s.device_blocks_used / s.device_blocks_total if s.device_blocks_total else 0.0)
+        yield self._gauge("tokenslice:cpu_cache_usage_perc", "Fraction of host (swap) KV blocks in use (1 = 100%).",
+                          s.host_blocks_used / s.host_blocks_total if s.host_blocks_total else 0.0)
+        yield self._gauge("tokenslice:kv_cache_num_blocks", "Device KV blocks in the pool.", s.device_blocks_total)
+        yield self._counter("tokenslice:num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions)
+        yield self._counter("tokenslice:kv_swap_out_bytes", "KV bytes copied from device to host.", s.swap_out_bytes)
+        yield self._counter("tokenslice:kv_swap_in_bytes", "KV bytes copied from host to device.", s.swap_in_bytes)
+        yield self._counter("tokenslice:engine_faults", "Engine steps that raised.", s.num_faults)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], queued: Callable[[], int]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("tokenslice:prompt_tokens", "Prefill tokens processed.", LABELS, registry=r)
+        self.generation_tokens = Counter("tokenslice:generation_tokens", "Tokens generated.", LABELS, registry=r)
+        self.request_success = Counter("tokenslice:request_success", "Finished requests by finish reason.",
+                                       LABELS + ["finished_reason"], registry=r)
+        self.rejected = Counter("tokenslice:request_rejected", "Requests refused by the server, by HTTP status.",
+                                LABELS + ["status"], registry=r)
+        self.ttft = Histogram("tokenslice:time_to_first_token_seconds", "Time to first token (from arrival).",
+                              LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.tbt = Histogram("tokenslice:inter_token_latency_seconds", "Time between consecutive tokens (TBT).",
+                             LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tokenslice:e2e_request_latency_seconds", "Arrival to finish.",
+                             LABELS, buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("tokenslice:request_queue_time_seconds", "Arrival to first scheduled.",
+                                    LABELS, buckets=REQUEST_BUCKETS, registry=r)
+        r.register(_StatsCollector(model_name, stats, queued))
+
+    def observe(self, out: RequestOutput) -> None:
+        """Record one engine output; called in the engine loop thread right after the step,
+        while `out.metrics` (the request's live record) is consistent."""
+        m = out.metrics
+        model = self.model_name
+        if out.new_token_ids:
+            self.generation_tokens.labels(model).inc(len(out.new_token_ids))
+            if m is not None and out.num_output_tokens == len(out.new_token_ids):  # its first token
+                self.prompt_tokens.labels(model).inc(out.num_prompt_tokens)
+                if m.ttft is not None:
+                    self.ttft.labels(model).observe(m.ttft)
+                if m.first_scheduled_time is not None:
+                    self.queue_time.labels(model).observe(m.first_scheduled_time - m.arrival_time)
+            elif m is not None and len(m.token_times) >= 2:
+                self.tbt.labels(model).observe(m.token_times[-1] - m.token_times[-2])
+        if out.finished:
+            self.request_success.labels(model, out.finish_reason or "unknown").inc()
+            if m is not None and m.e2e is not None:
+                self.e2e.labels(model).observe(m.e2e)
+
+    def reject(self, status: int) -> None:
+        self.rejected.labels(self.model_name, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,183 @@
+"""Pydantic schemas for the OpenAI wire format (completions, chat completions, models, errors).
+
+Models are strict: the API documents numbers as numbers, so "5" for max_tokens is a 400 rather
+than a silent coercion, and the OpenAPI schema FastAPI derives from them is what fuzzers test.
+Fields the engine does not support yet are accepted in the schema and refused with a clear 400
+by the handlers, so clients get a message instead of silently ignored settings.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+# torch.Generator.manual_seed accepts exactly this range; outside it, a request would crash the engine.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TokensliceOptions(_Strict):
+    """The `tokenslice` extension object: scheduling hints for experiments."""
+
+    expected_output_tokens: int | None = Field(
+        None, ge=0, description="true output length, read only by the srpt-oracle policy")
+
+
+class SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = Field(None, description="must be the served model name; defaults to it")
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, description="only 1 is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0 is supported")
+    frequency_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0 is supported")
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    priority: int = Field(0, description="lower runs first under --policy priority")
+    user: str | None = None
+    tokenslice: TokensliceOptions | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, description="not supported yet: must be null")
+    suffix: str | None = Field(None, description="not supported: must be null")
+
+
+class TextContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
+    logprobs: bool = Field(False, description="not supported yet: must be false")
+    top_logprobs: int | None = Field(None, ge=0, description="not supported yet: must be null")
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
+    add_generation_prompt: bool = True
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI sends only what changed in a delta ({} on the final chunk), never nulls.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenslice"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
