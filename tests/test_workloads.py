@@ -73,7 +73,8 @@ def test_conversations(cache: DatasetCache) -> None:
     assert turns.mean() == pytest.approx(3.6, abs=0.15)
     grouped = cache.conversation_records(SHAREGPT, GPT2)
     assert [len(g) for g in grouped] == list(turns)
-    assert all(rec.turn == i and rec.conversation_id == g[0].conversation_id for g in grouped for i, rec in enumerate(g))
+    assert all(rec.turn == i and rec.conversation_id == g[0].conversation_id
+               for g in grouped for i, rec in enumerate(g))
     first = cache.records("sharegpt", SHAREGPT, GPT2)
     assert [g[0].prompt_len for g in grouped] == [r.prompt_len for r in first]
 

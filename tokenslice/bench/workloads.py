@@ -184,7 +184,8 @@ class DatasetCache:
                 found = [(str(r.get("id", i)), sharegpt_first_pair(r)) for i, r in enumerate(raw)]
                 kept = [(cid, pair) for cid, pair in found if pair is not None]
                 if not kept:
-                    raise ValueError(f"{str(p)!r} has no human->gpt pair (prompt-only files cannot give output lengths)")
+                    raise ValueError(f"{str(p)!r} has no human->gpt pair "
+                                     "(prompt-only files cannot give output lengths)")
                 ids = [cid for cid, _ in kept]
                 pairs = [pair for _, pair in kept]
             else:

@@ -18,7 +18,6 @@ SRPT needs remaining time) and the simulator uses it as its clock. No torch here
 from __future__ import annotations
 
 import json
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
