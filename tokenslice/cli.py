@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, PREEMPTION_MODES
 
@@ -52,18 +53,25 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
-
+def serve_app_from_args(a: argparse.Namespace) -> Any:
+    """The FastAPI app `serve` runs (tests start it the same way)."""
     from tokenslice.engine.engine import Engine
     from tokenslice.server.app import ServerSettings, create_app
 
     if a.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
+    if a.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {a.max_body_bytes}")
     engine = Engine.from_config(engine_config_from_args(a))
     settings = ServerSettings(served_model_name=a.served_model_name or a.model, api_key=a.api_key or None,
                               max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes)
-    app = create_app(engine, settings)
+    return create_app(engine, settings)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = serve_app_from_args(a)
     # Our own log line per request replaces uvicorn's access log (which would add nothing).
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level.lower(), access_log=False,
                 timeout_graceful_shutdown=5)

@@ -157,6 +157,17 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration; an output for every request that got a token or finished."""
+        produced, finished = self._advance()
+        outputs = [self._output(req, req.output_token_ids[-1:]) for req in produced]
+        reported = {req.request_id for req in produced}
+        for req in finished:
+            if req.request_id not in reported:  # finished without a new token (abort, stall)
+                outputs.append(self._output(req, []))
+        return outputs
+
+    def _advance(self) -> tuple[list[Request], list[Request]]:
+        """schedule -> execute -> update; returns (requests with a new token, requests finished)."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(self.clock.now())
         t1 = time.perf_counter()
@@ -167,23 +178,19 @@ class Engine:
         self.last_step_seconds = result.step_seconds
         now = self.clock.now()
         produced = self.scheduler.update(plan, result, now)
-        outputs: list[RequestOutput] = []
-        for req in produced:
-            det = self._detok.get(req.request_id)
-            if det is not None:
-                det.add(req.output_token_ids[-1:])
-                if det.stopped and not req.is_finished:
-                    self.scheduler.finish(req.request_id, "stop", now)
-            outputs.append(self._output(req, req.output_token_ids[-1:]))
-        reported = {o.request_id for o in outputs}
-        for req in self.scheduler.take_finished():
-            if req.request_id not in reported:  # finished without a new token (abort, stall)
-                outputs.append(self._output(req, []))
+        if self._detok:
+            for req in produced:
+                det = self._detok.get(req.request_id)
+                if det is not None:
+                    det.add(req.output_token_ids[-1:])
+                    if det.stopped and not req.is_finished:
+                        self.scheduler.finish(req.request_id, "stop", now)
+        finished = self.scheduler.take_finished()
         t3 = time.perf_counter()
         self.timings.schedule_s += t1 - t0
         self.timings.execute_s += t2 - t1
         self.timings.update_s += t3 - t2
-        return outputs
+        return produced, finished
 
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         done = req.is_finished
@@ -216,9 +223,11 @@ class Engine:
             if not self.has_unfinished():
                 self._wait_until(start + items[i].arrival_time)
                 continue
-            for out in self.step():
-                if out.finished and on_finish is not None:
-                    on_finish(reqs[out.request_id])
+            _, finished = self._advance()
+            for req in finished:
+                self._detok.pop(req.request_id, None)
+                if on_finish is not None:
+                    on_finish(req)
         return [reqs[t.request_id] for t in trace]
 
     def _wait_until(self, t: float) -> None:

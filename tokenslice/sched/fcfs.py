@@ -2,6 +2,8 @@
 (FasterTransformer)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from tokenslice.request import Request
 from tokenslice.sched.policy import PolicyContext
 
@@ -24,8 +26,8 @@ class FCFSPolicy:
     def on_finish(self, req: Request) -> None:
         self._live.pop(req.request_id, None)
 
-    def ranked(self, now: float) -> list[Request]:
-        return list(self._live.values())
+    def ranked(self, now: float) -> Iterable[Request]:
+        return self._live.values()
 
     def next_run_estimate(self, req: Request, now: float) -> float:
         # FCFS never pauses a request it started, so arrival order is the whole story.
@@ -47,10 +49,10 @@ class RequestLevelPolicy(FCFSPolicy):
         super().on_finish(req)
         self._batch.pop(req.request_id, None)
 
-    def ranked(self, now: float) -> list[Request]:
+    def ranked(self, now: float) -> Iterable[Request]:
         if not self._batch:
             for rid, r in self._live.items():
                 if len(self._batch) >= self.batch_size:
                     break
                 self._batch[rid] = r
-        return list(self._batch.values())
+        return self._batch.values()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections.abc import Iterable
 
 from tokenslice.request import Request
 from tokenslice.sched.policy import PolicyContext, queue_position_estimates
@@ -108,19 +109,16 @@ class SkipJoinMLFQPolicy:
         self.budget.pop(rid, None)
         self.last_run.pop(rid, None)
 
-    def ranked(self, now: float) -> list[Request]:
+    def ranked(self, now: float) -> Iterable[Request]:
         self._promote_starving(now)
-        out: list[Request] = []
-        for q in self.queues:
-            out.extend(q.values())
-        return out
+        return itertools.chain.from_iterable(q.values() for q in self.queues if q)
 
     def next_run_estimate(self, req: Request, now: float) -> float:
         """FastServe §4.2 ENST: the sooner of promotion and the drain of higher-priority work."""
         return self.next_run_estimates(now).get(req.request_id, 0.0)
 
     def next_run_estimates(self, now: float) -> dict[str, float]:
-        ranked = self.ranked(now)
+        ranked = list(self.ranked(now))
         exec_s = queue_position_estimates(ranked, self.budget, self.ctx.max_batch_size)
         return {rid: min(t, max(0.0, self.last_run[rid] + self.starvation_limit - now))
                 for rid, t in exec_s.items()}
@@ -153,10 +151,10 @@ class FixedPriorityPolicy:
             del self._keys[bisect.bisect_left(self._keys, key)]
             del self._reqs[req.request_id]
 
-    def ranked(self, now: float) -> list[Request]:
-        return [self._reqs[k[3]] for k in self._keys]
+    def ranked(self, now: float) -> Iterable[Request]:
+        return (self._reqs[k[3]] for k in self._keys)
 
     def next_run_estimate(self, req: Request, now: float) -> float:
-        ranked = self.ranked(now)
+        ranked = list(self.ranked(now))
         per_job = {r.request_id: self.ctx.decode_s(r.num_tokens) * r.params.max_tokens for r in ranked}
         return queue_position_estimates(ranked, per_job, self.ctx.max_batch_size).get(req.request_id, 0.0)

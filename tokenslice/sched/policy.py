@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Protocol
 
 from tokenslice.config import SchedulerConfig
@@ -51,8 +52,9 @@ class Policy(Protocol):
 
     def on_finish(self, req: Request) -> None: ...
 
-    def ranked(self, now: float) -> list[Request]:
-        """Live requests, best first."""
+    def ranked(self, now: float) -> Iterable[Request]:
+        """Live requests, best first. May be lazy: the scheduler usually needs only the head, and
+        does not change the policy's membership while it walks."""
         ...
 
     def next_run_estimate(self, req: Request, now: float) -> float:

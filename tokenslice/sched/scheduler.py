@@ -18,6 +18,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._released: list[str] = []  # finished since the last plan; the executor may forget them
         self._finished: list[Request] = []  # finished since the engine last asked
+        self._running: set[str] = set()  # chosen by the last plan
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
 
@@ -53,47 +54,58 @@ class Scheduler:
     # ---- planning ---------------------------------------------------------------------------
     def schedule(self, now: float) -> StepPlan:
         cfg = self.config
+        kv = self.kv
         plan = StepPlan(finished=self._released)
         self._released = []
         ranked = self.policy.ranked(now)
+        it = iter(ranked)
+        seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
         budget = cfg.max_tokens_per_step
         chosen: set[str] = set()
+        dropped: set[str] = set()
         admission_blocked = False  # a new request is waiting for memory: no newer one may jump it
-        for i, req in enumerate(ranked):
+        for req in it:
             if len(chosen) >= cfg.max_batch_size or budget <= 0:
                 break
-            holds_kv = req.num_computed_tokens > 0
-            if (admission_blocked and not holds_kv) or req.request_id in plan.drop:
+            seen.append(req)
+            computed = req.num_computed_tokens
+            holds_kv = computed > 0
+            if (admission_blocked and not holds_kv) or req.request_id in dropped:
                 continue
-            chunk = min(req.remaining_tokens, budget)
-            need = self.kv.blocks_needed(req.request_id, req.num_computed_tokens + chunk)
-            if need > self.kv.num_free_device_blocks and not self._make_room(need, ranked[i + 1:], chosen, holds_kv, plan):
-                if not holds_kv:
-                    admission_blocked = True
-                continue
-            self.kv.ensure(req.request_id, req.num_computed_tokens + chunk)
+            total = len(req.prompt_token_ids) + len(req.output_token_ids)
+            chunk = min(total - computed, budget)
+            need = kv.blocks_needed(req.request_id, computed + chunk)
+            if need > kv.device.num_free:
+                lower = list(it)  # everything not yet walked is lower-ranked
+                it = iter(lower)
+                if not self._make_room(need, lower, chosen, holds_kv, plan, dropped):
+                    if not holds_kv:
+                        admission_blocked = True
+                    continue
+            kv.ensure(req.request_id, computed + chunk)
             chosen.add(req.request_id)
             budget -= chunk
-            start = req.num_computed_tokens
-            s = SeqSlice(req.request_id, req.token_ids(start, start + chunk), start,
-                         self.kv.block_table(req.request_id), start + chunk == req.num_tokens,
-                         req.params, req.num_output_tokens, req.eos_token_id)
+            s = SeqSlice(req.request_id, req.token_ids(computed, computed + chunk), computed,
+                         kv.block_table(req.request_id), computed + chunk == total,
+                         req.params, len(req.output_token_ids), req.eos_token_id)
             (plan.decode if chunk == 1 else plan.prefill).append(s)
-        if not chosen and ranked:
-            self._resolve_stall(ranked, now)
-        for req in ranked:
-            if req.request_id in chosen:
+            if req.state is not RequestState.RUNNING:
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = now
                 req.state = RequestState.RUNNING
-            elif req.state is RequestState.RUNNING:
+        if not chosen and self.requests:
+            self._resolve_stall(seen + list(it), now)
+        for rid in self._running - chosen:
+            req = self.requests.get(rid)
+            if req is not None and req.state is RequestState.RUNNING:
                 req.state = RequestState.PREEMPTED
                 req.metrics.preemptions += 1
                 self.num_preemptions += 1
+        self._running = chosen
         return plan
 
     def _make_room(self, need: int, lower: list[Request], chosen: set[str], holds_kv: bool,
-                   plan: StepPlan) -> bool:
+                   plan: StepPlan, dropped: set[str]) -> bool:
         """Free device blocks by dropping lower-ranked requests' KV (they recompute later).
 
         Under `defer` only a request that already holds KV may evict (it must progress, or the
@@ -109,6 +121,7 @@ class Scheduler:
             if self.kv.num_free_device_blocks >= need:
                 break
             self._drop_kv(victim, plan)
+            dropped.add(victim.request_id)
         return True
 
     def _drop_kv(self, req: Request, plan: StepPlan) -> None:
@@ -119,6 +132,7 @@ class Scheduler:
         if req.state is RequestState.RUNNING:
             req.metrics.preemptions += 1
             self.num_preemptions += 1
+            self._running.discard(req.request_id)
         req.state = RequestState.WAITING
         plan.drop.append(req.request_id)
 
@@ -140,14 +154,15 @@ class Scheduler:
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens += len(s.token_ids)
-            req.metrics.iterations += 1
-            req.metrics.attained_service_s += result.step_seconds
+            m = req.metrics
+            m.iterations += 1
+            m.attained_service_s += result.step_seconds
             ran.append(req)
             if not s.sample:
                 continue
             tok = result.sampled[s.request_id]
             req.output_token_ids.append(tok)
-            req.metrics.token_times.append(now)
+            m.token_times.append(now)
             produced.append(req)
             reason = self._stop_reason(req, tok)
             if reason is not None:
@@ -155,17 +170,18 @@ class Scheduler:
         self.policy.on_step(ran, result.step_seconds, now)
         return produced
 
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
+    @staticmethod
+    def _stop_reason(req: Request, tok: int) -> str | None:
         p = req.params
-        n = req.num_output_tokens
+        n = len(req.output_token_ids)
         if n >= p.min_tokens:
             if not p.ignore_eos and tok == req.eos_token_id:
                 return "stop"
-            if tok in p.stop_token_ids:
+            if p.stop_token_ids and tok in p.stop_token_ids:
                 return "stop"
         if n >= p.max_tokens:
             return "length"
-        if req.max_total_tokens is not None and req.num_tokens >= req.max_total_tokens:
+        if req.max_total_tokens is not None and len(req.prompt_token_ids) + n >= req.max_total_tokens:
             return "length"
         return None
 
@@ -177,6 +193,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, now: float, state: RequestState) -> None:
         self.requests.pop(req.request_id, None)
+        self._running.discard(req.request_id)
         self.kv.free(req.request_id)
         req.state = state
         req.finish_reason = reason
