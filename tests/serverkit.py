@@ -1,0 +1,101 @@
+"""Helpers for the server tests: a real uvicorn server on 127.0.0.1 on a free port, in a thread of
+the test process (so tests can also inspect the engine), built exactly as `tokenslice serve`
+builds it. Always stopped by the caller (use it as a context manager or call stop())."""
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import httpx
+import uvicorn
+
+from tokenslice.cli import build_parser, serve_app_from_args
+from tokenslice.engine.engine import Engine
+from tokenslice.server.app import Server
+
+STARTUP_TIMEOUT_S = 60.0
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    app: Any
+    uvicorn_server: uvicorn.Server
+    thread: threading.Thread
+    sock: socket.socket
+
+    @property
+    def server(self) -> Server:
+        return self.app.state.server
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def stop(self) -> None:
+        self.uvicorn_server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    def __enter__(self) -> RunningServer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled view of /metrics: `name{labels}` -> value, and `name` -> sum over labels."""
+        text = httpx.get(self.url("/metrics"), timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+            name = re.sub(r"\{.*\}", "", key)
+            if name != key:
+                out[name] = out.get(name, 0.0) + float(value)
+        return out
+
+
+def start_server(*flags: str) -> RunningServer:
+    """Start `tokenslice serve --model builtin:tiny <flags>` in-process on a free port."""
+    args = build_parser().parse_args(["--log-level", "INFO", "serve", "--model", "builtin:tiny", *flags])
+    app = serve_app_from_args(args)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise RuntimeError("test server did not start")
+        time.sleep(0.02)
+    return RunningServer(f"http://127.0.0.1:{port}", app, server, thread, sock)
+
+
+def wait_idle(srv: RunningServer, timeout: float = 60.0) -> dict[str, float]:
+    """Wait until the engine has no live request (a failure deadline, not a performance check)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = srv.metrics()
+        idle = (m["tokenslice:num_requests_running"] == 0 and m["tokenslice:num_requests_waiting"] == 0
+                and m["tokenslice:num_requests_preempted"] == 0 and m["tokenslice:num_requests_admission_queue"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
