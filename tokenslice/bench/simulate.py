@@ -1,0 +1,306 @@
+"""Simulated sweeps: policies x arrival rates (or loads) on the simulator (DESIGN.md, "Benchmark protocols").
+
+The logic behind `tokenslice simulate`, reusable by benchmark scripts:
+
+- `simulate_run` replays one workload on `Engine.simulated` and returns per-request records plus
+  engine-wide counters;
+- `fcfs_saturation_rps` measures the saturation throughput the steady-state protocol's loads are
+  fractions of (the same workload, every request at t=0, under fcfs: N / makespan);
+- `run_sweep` runs every (seed, rate or load, policy) and builds the DESIGN.md results file.
+
+No torch here: the simulator is plain Python.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tokenslice.bench.metrics import SLO, RequestRecord, max_rate_detail, results_file, run_entry, run_key, \
+    summarize, sweep_summary
+from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload, workload_stats
+from tokenslice.config import SchedulerConfig
+from tokenslice.predict.cost import CostModel
+from tokenslice.request import Request
+
+# "Ample" KV when none is given: at least this many tokens per batch slot (the brief's floor) ...
+AMPLE_TOKENS_PER_SLOT = 4096
+# ... TBT CDF kept per run in this many quantile points (pooled TBTs are too many to store).
+TBT_CDF_POINTS = np.concatenate([np.linspace(0.0, 0.99, 100), np.linspace(0.991, 1.0, 10)])
+
+
+@dataclass
+class SweepSpec:
+    """Everything a sweep varies or fixes; the CLI flags map one to one onto these fields."""
+
+    workload: str
+    policies: list[str]
+    preemption: str = "recompute"
+    rates: list[float] | None = None  # arrival rates (req/s) ...
+    loads: list[float] | None = None  # ... or fractions of fcfs's saturation throughput
+    cv: float = 1.0
+    seeds: list[int] = field(default_factory=lambda: [0])
+    num_requests: int = 1000
+    max_batch_size: int = 16
+    max_tokens_per_step: int = 2048
+    kv_cache_blocks: int | None = None  # None: ample (memory never binds)
+    block_size: int = 16
+    slo_normalized_latency: float | None = None  # None: 10x the decode iteration time
+    starvation_limit_s: float | None = None
+    mlfq_quantum_ratio: float = 2.0
+    mlfq_num_queues: int = 16
+    dataset: str | None = None
+    tokenizer: str | None = None
+    io_ratio: float | None = None
+    length_filter: bool = False
+    max_tokens_cap: int | None = None
+    max_prompt_len: int | None = None
+
+    def validate(self) -> None:
+        if (self.rates is None) == (self.loads is None):
+            raise ValueError("give exactly one of rates (--rates) or loads (--loads)")
+        points = self.rates if self.rates is not None else self.loads
+        if not points or any(not (x > 0 and math.isfinite(x)) for x in points):
+            raise ValueError(f"rates/loads must be positive finite numbers, got {points}")
+        if not self.policies:
+            raise ValueError("give at least one policy")
+        if not self.seeds:
+            raise ValueError("give at least one seed")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
+            raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
+
+    @property
+    def sweep(self) -> str:
+        return "load" if self.loads is not None else "rate"
+
+    def scheduler_config(self, policy: str, slo: float) -> SchedulerConfig:
+        cfg = SchedulerConfig(policy=policy, preemption=self.preemption, max_batch_size=self.max_batch_size,
+                              max_tokens_per_step=self.max_tokens_per_step,
+                              mlfq_quantum_ratio=self.mlfq_quantum_ratio, mlfq_num_queues=self.mlfq_num_queues,
+                              starvation_limit_s=self.starvation_limit_s, slo_normalized_latency=slo)
+        cfg.validate()
+        return cfg
+
+    def make(self, seed: int, rate: float | None, cache: DatasetCache) -> list[WorkloadRequest]:
+        return make_workload(self.workload, num_requests=self.num_requests, rate=rate, cv=self.cv, seed=seed,
+                             dataset=self.dataset, tokenizer=self.tokenizer, io_ratio=self.io_ratio,
+                             length_filter=self.length_filter, max_tokens_cap=self.max_tokens_cap,
+                             max_prompt_len=self.max_prompt_len, cache=cache)
+
+
+# ---------------------------------------------------------------- one run
+
+def records_from_requests(reqs: Sequence[Request]) -> list[RequestRecord]:
+    """Client-view records of simulated (or real) engine requests, with the server-side counters.
+
+    queue_s = e2e - attained execution - swap stall; exec_s = attained service (the step times of
+    every iteration the request ran in). Swap stall is 0 until the KV manager reports one.
+    """
+    out = []
+    for r in reqs:
+        m = r.metrics
+        finished = m.finish_time is not None and r.finish_reason != "abort"
+        stall = float(getattr(m, "swap_stall_s", 0.0))
+        e2e = (m.finish_time - m.arrival_time) if m.finish_time is not None else 0.0
+        out.append(RequestRecord(
+            request_id=r.request_id, arrival=m.arrival_time, prompt_tokens=r.num_prompt_tokens,
+            output_tokens=r.num_output_tokens, first_token_time=m.token_times[0] if m.token_times else None,
+            token_times=list(m.token_times), finish_time=m.finish_time, ok=finished,
+            error=None if finished else (r.finish_reason or "unfinished"), user=r.user, priority=r.priority,
+            preemptions=m.preemptions, recomputed_tokens=m.recomputed_tokens,
+            swap_out_bytes=int(getattr(m, "swap_out_bytes", 0)), swap_in_bytes=int(getattr(m, "swap_in_bytes", 0)),
+            swap_ops=int(getattr(m, "swap_ops", m.swaps)), swap_stall_s=stall,
+            # Clamped: float sums of step times can overshoot e2e by an ulp.
+            queue_s=max(0.0, e2e - m.attained_service_s - stall), exec_s=m.attained_service_s))
+    return out
+
+
+def engine_counters(engine: Any) -> dict[str, Any]:
+    """Engine-wide counters worth keeping beside the per-request sums (KV pressure, steps)."""
+    sched = engine.scheduler
+    kv = sched.kv
+    return {"num_steps": engine.num_steps, "kv_blocks": kv.device.num_blocks,
+            "kv_peak_blocks": kv.device.peak_used,
+            "kv_peak_fraction": kv.device.peak_used / kv.device.num_blocks if kv.device.num_blocks else 0.0,
+            "engine_preemptions": sched.num_preemptions, "engine_recomputed_tokens": sched.num_recomputed_tokens}
+
+
+def check_fits(requests: Sequence[WorkloadRequest], kv_cache_blocks: int, block_size: int) -> None:
+    """Every request must fit the KV pool alone, or the simulator would cut or refuse it."""
+    need = max((-(-(r.prompt_len + r.output_len) // block_size) for r in requests), default=0)
+    if need > kv_cache_blocks:
+        raise ValueError(f"a request needs {need} KV blocks of {block_size} tokens but the pool has "
+                         f"{kv_cache_blocks}; raise --kv-cache-blocks or use --length-filter / --max-tokens-cap")
+
+
+def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], sched_config: SchedulerConfig,
+                 kv_cache_blocks: int, block_size: int = 16) -> tuple[list[RequestRecord], dict[str, Any]]:
+    """Replay a workload on the simulator: (per-request records, engine-wide counters)."""
+    from tokenslice.engine.engine import Engine  # the engine pulls in the scheduler stack: import on use
+
+    check_fits(workload_requests, kv_cache_blocks, block_size)
+    engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size)
+    reqs = engine.replay(list(workload_requests))
+    return records_from_requests(reqs), engine_counters(engine)
+
+
+def ample_kv_blocks(requests: Sequence[WorkloadRequest], max_batch_size: int, block_size: int = 16) -> int:
+    """KV blocks that never bind: every request of the workload resident at once (a preemptive
+    policy may start them all), and at least max_batch_size x 4096 tokens."""
+    every = sum(-(-(r.prompt_len + r.output_len) // block_size) for r in requests)
+    return max(every, -(-max_batch_size * AMPLE_TOKENS_PER_SLOT // block_size))
+
+
+def fcfs_saturation_rps(cost: CostModel, workload_requests: Sequence[WorkloadRequest],
+                        sched_config: SchedulerConfig, kv_cache_blocks: int, block_size: int = 16) -> float:
+    """Throughput (req/s) of fcfs with every request arriving at t=0: N / makespan."""
+    at_once = [dataclasses.replace(r, arrival_time=0.0) for r in workload_requests]
+    cfg = dataclasses.replace(sched_config, policy="fcfs")
+    records, _ = simulate_run(cost, at_once, cfg, kv_cache_blocks, block_size)
+    span = max(r.finish_time for r in records if r.finish_time is not None)
+    return len(records) / span if span > 0 else math.inf
+
+
+def run_metrics(records: Sequence[RequestRecord], counters: Mapping[str, Any],
+                slo: SLO | float | None) -> dict[str, Any]:
+    """summarize() plus the latency breakdown (FastServe Fig. 15(b)): mean queueing, execution and
+    swap-stall seconds per request (queue_s and exec_s are already per-request means)."""
+    m = summarize(records, slo=slo)
+    m.update(counters)
+    n = len(records)
+    m["mean_queue_s"] = m["queue_s"]
+    m["mean_exec_s"] = m["exec_s"]
+    m["mean_swap_s"] = m["swap_stall_s"] / n if n else 0.0
+    return m
+
+
+def per_request_data(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Compact per-request data for CDF plots: TTFT, normalized latency, breakdown per request, and
+    the pooled TBT distribution as quantiles (every gap would be ~N x output-length numbers)."""
+    def col(values: Sequence[float | None]) -> list[float | None]:
+        return [None if v is None else float(f"{v:.6g}") for v in values]
+
+    tbt = np.array([g for r in records for g in r.tbt])
+    return {"ttft": col([r.ttft for r in records]), "normalized_latency": col([r.normalized_latency for r in records]),
+            "output_tokens": [r.output_tokens for r in records], "queue_s": col([r.queue_s for r in records]),
+            "exec_s": col([r.exec_s for r in records]),
+            "tbt_cdf": {"q": col(TBT_CDF_POINTS.tolist()),
+                        "v": col(np.quantile(tbt, TBT_CDF_POINTS).tolist()) if len(tbt) else []}}
+
+
+# ---------------------------------------------------------------- the sweep
+
+def mean_by_point(runs: Sequence[Mapping[str, Any]], x_key: str, metric: str) -> dict[str, list[tuple[float, float | None]]]:
+    """Per run key, (x, metric averaged over seeds) sorted by x; None when any seed lacks it."""
+    groups: dict[str, dict[float, list[float | None]]] = {}
+    for run in runs:
+        x = run.get(x_key)
+        if x is None:
+            continue
+        groups.setdefault(run_key(run, runs), {}).setdefault(float(x), []).append(run["metrics"].get(metric))
+    return {k: [(x, None if any(v is None for v in vals) else float(np.mean(vals)))
+                for x, vals in sorted(pts.items())] for k, pts in groups.items()}
+
+
+def summary_for(runs: Sequence[Mapping[str, Any]], spec: SweepSpec, slo: float,
+                saturation: Mapping[int, float]) -> dict[str, Any]:
+    """max rate under the SLO per policy (seeds averaged per point), plus saturation and loads."""
+    x_key = spec.sweep
+    sat_mean = float(np.mean(list(saturation.values()))) if saturation else None
+    points = mean_by_point(runs, x_key, "mean_normalized_latency")
+    # sweep_summary takes runs; give it one seed-averaged pseudo-run per point.
+    pseudo = []
+    for key, pts in points.items():
+        policy, _, preemption = key.partition("/")
+        for x, v in pts:
+            rate = x if x_key == "rate" else x * (sat_mean or 0.0)
+            pseudo.append({"policy": key, "preemption": preemption or spec.preemption, "rate": rate,
+                           "metrics": {"mean_normalized_latency": v}})
+    summ = sweep_summary(pseudo, slo, fcfs_saturation_rps=sat_mean)
+    summ["fcfs_saturation_rps_by_seed"] = {str(s): v for s, v in saturation.items()}
+    if x_key == "load":
+        detail = {k: max_rate_detail([p[0] for p in pts], [p[1] for p in pts], slo) for k, pts in points.items()}
+        summ["max_load_under_slo"] = {k: d.rate for k, d in detail.items()}
+    return summ
+
+
+def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = None,
+              cache: DatasetCache | None = None,
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every (seed, rate or load, policy) on the simulator, as a DESIGN.md results file.
+
+    Each run keeps its per-request data under "per_request" (drop it before writing a compact
+    file). `progress(description)` is called once per finished simulation, saturation runs
+    included (there are `sweep_size(spec)` of them).
+    """
+    spec.validate()
+    cache = cache or DatasetCache()
+    slo = spec.slo_normalized_latency or 10 * cost.min_iteration_seconds()
+    tick = progress or (lambda _desc: None)
+
+    # The all-at-once workload per seed: its lengths match every rate's (independent streams), so
+    # it sizes the ample KV pool and measures saturation.
+    at_once = {seed: spec.make(seed, None, cache) for seed in spec.seeds}
+    kv_blocks = spec.kv_cache_blocks or max(ample_kv_blocks(w, spec.max_batch_size, spec.block_size)
+                                            for w in at_once.values())
+    saturation: dict[int, float] = {}
+    for seed, wl in at_once.items():
+        saturation[seed] = fcfs_saturation_rps(cost, wl, spec.scheduler_config("fcfs", slo), kv_blocks,
+                                               spec.block_size)
+        tick(f"fcfs saturation seed={seed}")
+
+    runs: list[dict[str, Any]] = []
+    for seed in spec.seeds:
+        xs = spec.rates if spec.rates is not None else spec.loads
+        for x in xs or []:
+            rate = x if spec.sweep == "rate" else x * saturation[seed]
+            load = x if spec.sweep == "load" else rate / saturation[seed]
+            wl = spec.make(seed, rate, cache)
+            for policy in spec.policies:
+                records, counters = simulate_run(cost, wl, spec.scheduler_config(policy, slo), kv_blocks,
+                                                 spec.block_size)
+                metrics = run_metrics(records, counters, slo)
+                runs.append(run_entry(policy, spec.preemption, rate, metrics, load=load, cv=spec.cv,
+                                      num_requests=len(wl), seed=seed, per_request=per_request_data(records)))
+                tick(f"{policy} {spec.sweep}={x:g} seed={seed}")
+
+    stats = workload_stats(next(iter(at_once.values())))
+    workload = {"name": spec.workload, "dataset": spec.dataset, "tokenizer": spec.tokenizer,
+                "num_requests": spec.num_requests, "cv": spec.cv, "seeds": list(spec.seeds), "sweep": spec.sweep,
+                "rates": spec.rates, "loads": spec.loads, "io_ratio": spec.io_ratio,
+                "length_filter": spec.length_filter, "max_tokens_cap": spec.max_tokens_cap,
+                "max_prompt_len": spec.max_prompt_len, "prompt_mean": stats.get("prompt_mean"),
+                "output_mean": stats.get("output_mean"),
+                "scheduler": {"preemption": spec.preemption, "max_batch_size": spec.max_batch_size,
+                              "max_tokens_per_step": spec.max_tokens_per_step, "kv_cache_blocks": kv_blocks,
+                              "kv_cache_blocks_given": spec.kv_cache_blocks is not None,
+                              "block_size": spec.block_size, "starvation_limit_s": spec.starvation_limit_s,
+                              "mlfq_quantum_ratio": spec.mlfq_quantum_ratio,
+                              "mlfq_num_queues": spec.mlfq_num_queues}}
+    summary = summary_for(runs, spec, slo, saturation)
+    return results_file("simulate", workload, profile_name or cost.name, SLO(mean_normalized_latency=slo),
+                        runs, summary)
+
+
+def sweep_size(spec: SweepSpec) -> int:
+    """Simulations run_sweep does: one saturation run per seed, then every point x policy."""
+    xs = spec.rates if spec.rates is not None else spec.loads
+    return len(spec.seeds) * (1 + len(xs or []) * len(spec.policies))
+
+
+def strip_per_request(results: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a results file without per-request data (the compact file `--out` writes)."""
+    out = dict(results)
+    out["runs"] = [{k: v for k, v in run.items() if k != "per_request"} for run in results["runs"]]
+    return out
+
+
+__all__ = ["SweepSpec", "records_from_requests", "engine_counters", "check_fits", "simulate_run",
+           "ample_kv_blocks", "fcfs_saturation_rps", "run_metrics", "per_request_data", "mean_by_point",
+           "summary_for", "run_sweep", "sweep_size", "strip_per_request"]
