@@ -78,6 +78,152 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def _number_list(text: str, kind: type = float) -> list[Any]:
+    """"1,2.5,4" -> [1.0, 2.5, 4.0] (flags that take several values)."""
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    import json
+
+    from tqdm import tqdm
+
+    from tokenslice.bench.report import format_summary, format_table, plot_results
+    from tokenslice.bench.simulate import SweepSpec, run_sweep, strip_per_request, sweep_size
+    from tokenslice.predict.cost import load_cost_model
+
+    cost = load_cost_model(a.profile)
+    spec = SweepSpec(
+        workload=a.workload, policies=[p.strip() for p in a.policy.split(",") if p.strip()],
+        preemption=a.preemption, rates=_number_list(a.rates) if a.rates else None,
+        loads=_number_list(a.loads) if a.loads else None, cv=a.cv,
+        seeds=_number_list(a.seeds, int) if a.seeds else [a.seed], num_requests=a.num_requests,
+        max_batch_size=a.max_batch_size, max_tokens_per_step=a.max_tokens_per_step,
+        kv_cache_blocks=a.kv_cache_blocks, block_size=a.block_size, slo_normalized_latency=a.slo_normalized_latency,
+        starvation_limit_s=a.starvation_limit_s, mlfq_quantum_ratio=a.mlfq_quantum_ratio,
+        mlfq_num_queues=a.mlfq_num_queues, dataset=a.dataset, tokenizer=a.tokenizer, io_ratio=a.io_ratio,
+        length_filter=a.length_filter, max_tokens_cap=a.max_tokens_cap, max_prompt_len=a.max_prompt_len)
+    spec.validate()
+    profile = a.profile if cost.name == a.profile else f"{a.profile} ({cost.name})"
+    with tqdm(total=sweep_size(spec), desc="simulate", unit="run", file=sys.stderr, disable=a.quiet) as bar:
+        def tick(desc: str) -> None:
+            bar.set_postfix_str(desc, refresh=False)
+            bar.update()
+
+        results = run_sweep(cost, spec, profile_name=profile, progress=tick)
+    print(format_summary([results], [a.workload]))
+    print(format_table([results]))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results if a.save_requests else strip_per_request(results), f, indent=1)
+            f.write("\n")
+        print(f"wrote {a.out}")
+    if a.plot:
+        print(f"wrote {plot_results([results], a.plot)}")
+    return 0
+
+
+def cmd_report(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tokenslice.bench.report import format_summary, format_table, load_results, plot_results
+
+    results = load_results(a.results)
+    stems = [Path(p).stem for p in a.results]
+    names = stems if len(set(stems)) == len(stems) else list(a.results)
+    print(format_summary(results, names))
+    print(format_table(results, names))
+    if a.plot:
+        print(f"wrote {plot_results(results, a.plot, names)}")
+    return 0
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from tokenslice.engine.profiler import ProfileOptions, describe, run_profile
+
+    opts = ProfileOptions(model=a.model, dtype=a.dtype, device=a.device, max_batch_size=a.max_batch_size,
+                          max_context=a.max_context, max_tokens_per_step=a.max_tokens_per_step, samples=a.samples,
+                          repeats=a.repeats, block_size=a.block_size, seed=a.seed)
+    with tqdm(desc="profile", unit="step", file=sys.stderr, disable=a.quiet) as bar:
+        def tick(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        report = run_profile(opts, progress=tick)
+    report.save(a.out)
+    print(describe(report))
+    print(f"wrote {a.out} (use it as: tokenslice simulate --profile {a.out} ...)")
+    return 0
+
+
+def add_simulation_subcommands(sub: Any) -> None:
+    """`simulate`, `report` and `profile` (the simulator, its figures, and its cost model)."""
+    from tokenslice.bench.workloads import WORKLOAD_NAMES
+
+    m = sub.add_parser("simulate", help="sweep policies x rates (or loads) on the simulator")
+    m.add_argument("--profile", required=True, help="cost model: model@hardware (e.g. opt-13b@a100-40gb) "
+                   "or a profile .json from `tokenslice profile`")
+    m.add_argument("--workload", required=True, choices=list(WORKLOAD_NAMES))
+    m.add_argument("--dataset", default=None, help="dataset file or directory (alpaca/sharegpt workloads)")
+    m.add_argument("--tokenizer", default=None, help="tokenizer directory that counts dataset tokens")
+    m.add_argument("--policy", required=True, help="comma-separated policies, e.g. fcfs,skip-join-mlfq,srpt-oracle")
+    m.add_argument("--preemption", default="recompute", choices=list(PREEMPTION_MODES))
+    points = m.add_mutually_exclusive_group(required=True)
+    points.add_argument("--rates", help="comma-separated arrival rates (req/s): the paper protocol")
+    points.add_argument("--loads", help="comma-separated fractions of fcfs's saturation throughput on the "
+                        "same setup: the steady-state protocol")
+    m.add_argument("--cv", type=float, default=1.0, help="arrival-gap coefficient of variation (1: Poisson)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--seeds", default=None, help="comma-separated seeds (overrides --seed)")
+    m.add_argument("--num-requests", type=int, default=1000)
+    m.add_argument("--max-batch-size", type=int, default=16)
+    m.add_argument("--max-tokens-per-step", type=int, default=2048)
+    m.add_argument("--kv-cache-blocks", type=int, default=None,
+                   help="device KV blocks (default: ample, every request of the workload fits at once)")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--slo-normalized-latency", type=float, default=None,
+                   help="s/token (default: 10x the profile's decode iteration time)")
+    m.add_argument("--starvation-limit-s", type=float, default=None)
+    m.add_argument("--mlfq-quantum-ratio", type=float, default=2.0)
+    m.add_argument("--mlfq-num-queues", type=int, default=16)
+    m.add_argument("--io-ratio", type=float, default=None, help="rescale mean input:output length ratio")
+    m.add_argument("--length-filter", action="store_true", help="vLLM's benchmark length filter")
+    m.add_argument("--max-tokens-cap", type=int, default=None)
+    m.add_argument("--max-prompt-len", type=int, default=None)
+    m.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
+    m.add_argument("--save-requests", action="store_true",
+                   help="keep per-request data in --out (for TTFT/TBT CDFs in `report`)")
+    m.add_argument("--plot", default=None, help="write a PNG figure")
+    m.add_argument("--quiet", action="store_true", help="no progress bar")
+    m.set_defaults(func=cmd_simulate)
+
+    r = sub.add_parser("report", help="tables and figures from one or more results files")
+    r.add_argument("results", nargs="+", help="results .json files (merged)")
+    r.add_argument("--plot", default=None, help="write a PNG figure")
+    r.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("profile", help="measure this machine and fit a cost model for the simulator")
+    p.add_argument("--model", default="builtin:tiny", help="local Hugging Face directory or builtin:tiny")
+    p.add_argument("--out", required=True, help="profile .json to write")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-context", type=int, default=None, help="longest context measured (default: "
+                   "the model's, at most 1024)")
+    p.add_argument("--max-tokens-per-step", type=int, default=2048)
+    p.add_argument("--samples", type=int, default=None, help="grid points to measure (default: the full grid)")
+    p.add_argument("--repeats", type=int, default=5, help="timings per point; the fastest is kept")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_profile)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenslice", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -107,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait for their first token; more get 429 with Retry-After")
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
     s.set_defaults(func=cmd_serve)
+    add_simulation_subcommands(sub)
     return parser
 
 

@@ -239,10 +239,14 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
     file). `progress(description)` is called once per finished simulation, saturation runs
     included (there are `sweep_size(spec)` of them).
     """
+    from tokenslice.sched.policy import PolicyContext, make_policy
+
     spec.validate()
     cache = cache or DatasetCache()
     slo = spec.slo_normalized_latency or 10 * cost.min_iteration_seconds()
     tick = progress or (lambda _desc: None)
+    for policy in spec.policies:  # fail on a bad name before minutes of simulation, not after
+        make_policy(policy, PolicyContext(spec.scheduler_config(policy, slo), cost))
 
     # The all-at-once workload per seed: its lengths match every rate's (independent streams), so
     # it sizes the ample KV pool and measures saturation.
