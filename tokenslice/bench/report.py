@@ -128,14 +128,13 @@ def format_summary(results: Sequence[Mapping[str, Any]], names: Sequence[str] | 
         if summ.get("fcfs_saturation_rps") is not None:
             parts.append(f"fcfs saturation {summ['fcfs_saturation_rps']:.4g} req/s")
         out.append(", ".join(parts))
-        for label, key in (("max rate under SLO (req/s)", "max_rate_under_slo"),
-                           ("max load under SLO", "max_load_under_slo")):
+        for label, key, cens in (("max rate under SLO (req/s)", "max_rate_under_slo", "max_rate_censored"),
+                                 ("max load under SLO", "max_load_under_slo", "max_load_censored")):
             vals = summ.get(key)
             if vals:
-                censored = set(summ.get("max_rate_censored") or [])
-                text = ", ".join(f"{p} {v:.4g}{'+' if p in censored and key == 'max_rate_under_slo' else ''}"
-                                 for p, v in vals.items())
-                out.append(f"  {label}: {text}")
+                censored = set(summ.get(cens) or [])  # "+": no sweep point broke the SLO
+                out.append(f"  {label}: " + ", ".join(f"{p} {v:.4g}{'+' if p in censored else ''}"
+                                                      for p, v in vals.items()))
     return "\n".join(out)
 
 

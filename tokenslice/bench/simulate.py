@@ -227,6 +227,7 @@ def summary_for(runs: Sequence[Mapping[str, Any]], spec: SweepSpec, slo: float,
     if x_key == "load":
         detail = {k: max_rate_detail([p[0] for p in pts], [p[1] for p in pts], slo) for k, pts in points.items()}
         summ["max_load_under_slo"] = {k: d.rate for k, d in detail.items()}
+        summ["max_load_censored"] = sorted(k for k, d in detail.items() if d.censored)
     return summ
 
 
