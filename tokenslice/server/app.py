@@ -45,6 +45,12 @@ log = logging.getLogger("tokenslice.server")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Temperatures below this sample greedily: dividing logits by ~0 would overflow to inf and NaN.
 GREEDY_TEMPERATURE = 1e-5
+# The sampler divides float32 logits by the temperature: above this, the divisor would round to
+# inf (and -inf/inf is NaN). Sampling is already uniform for all practical purposes far below it.
+MAX_TEMPERATURE = 1e4
+# The sampler compares top_p in float32; a smaller top_p rounds to 0 and would drop every token.
+# Any top_p this small keeps only the most likely token anyway.
+MIN_TOP_P = 1e-6
 
 
 @dataclass
@@ -250,13 +256,19 @@ class Server:
         temperature = 1.0 if body.temperature is None else body.temperature
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k is None else body.top_k,
+            max_tokens=max_tokens,
+            temperature=0.0 if temperature < GREEDY_TEMPERATURE else min(temperature, MAX_TEMPERATURE),
+            top_p=1.0 if body.top_p is None else max(body.top_p, MIN_TOP_P), top_k=0 if body.top_k is None else body.top_k,
             seed=body.seed, stop=stop, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
         try:
             params.validate()
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
+        # No request can outgrow the context, so larger limits mean the same; clamping keeps
+        # absurd JSON integers out of the policies' arithmetic.
+        cap = self.engine.max_model_len
+        params.max_tokens = min(params.max_tokens, cap)
+        params.min_tokens = min(params.min_tokens, cap)
         return params
 
     def tokenize_prompt(self, prompt: str) -> list[int]:
@@ -521,6 +533,59 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{param}: {e.get('msg', 'invalid')}", loc[0]
 
 
+def _narrow(prop: dict[str, Any], **schema: Any) -> None:
+    """Replace a property's type information, keeping its title, description and default."""
+    for key in ("type", "anyOf", "minimum", "maximum", "items"):
+        prop.pop(key, None)
+    prop.update(schema)
+
+
+def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Engine) -> None:
+    """What this server accepts beyond the pydantic types: its model name, token ids in its
+    vocabulary, one prompt per request, and the fields it does not support yet at their off
+    values (the handlers answer those with a specific 400)."""
+    comps = schema["components"]["schemas"]
+    token = {"type": "integer", "minimum": 0, "maximum": engine.vocab_size - 1}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = comps[name]["properties"]
+        _narrow(props["model"], anyOf=[{"type": "string", "enum": [settings.served_model_name]}, {"type": "null"}])
+        _narrow(props["n"], type="integer", enum=[1])
+        _narrow(props["stop"], anyOf=[{"type": "string", "minLength": 1},
+                                      {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}])
+        for penalty in ("presence_penalty", "frequency_penalty"):
+            _narrow(props[penalty], type="number", enum=[0])
+    comp = comps["CompletionRequest"]["properties"]
+    _narrow(comp["prompt"], anyOf=[
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": token, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "array", "items": token, "minItems": 1}, "minItems": 1, "maxItems": 1}])
+    _narrow(comp["logprobs"], type="null")
+    _narrow(comp["suffix"], type="null")
+    chat = comps["ChatCompletionRequest"]["properties"]
+    _narrow(chat["logprobs"], type="boolean", enum=[False])
+    _narrow(chat["top_logprobs"], type="null")
+    _narrow(chat["tools"], anyOf=[{"type": "array", "maxItems": 0}, {"type": "null"}])
+    part = comps["TextContentPart"]
+    part["properties"]["type"] = {"type": "string", "enum": ["text"], "title": "Type"}
+    part["properties"]["text"] = {"type": "string", "title": "Text"}
+    part["required"] = ["type", "text"]
+    for ops in schema["paths"].values():
+        for op in ops.values():
+            op.get("responses", {}).pop("422", None)  # invalid bodies get 400, as OpenAI answers
+
+
+def _install_openapi(app: FastAPI, settings: ServerSettings, engine: Engine) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            _server_schema(schema, settings, engine)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     server = Server(engine, settings)
 
@@ -603,6 +668,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    _install_openapi(app, settings, engine)
     # Added last = outermost: the key is checked before any body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)

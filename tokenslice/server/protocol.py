@@ -8,13 +8,36 @@ by the handlers, so clients get a message instead of silently ignored settings.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 # torch.Generator.manual_seed accepts exactly this range; outside it, a request would crash the engine.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+# Hints that policies may turn into floats: bounded so they convert exactly.
+HINT_MIN, HINT_MAX = -(2**53), 2**53
+
+
+def _integral(value: Any) -> Any:
+    # JSON Schema counts 1.0 as an integer, and so do we; 1.5, "1" and true are still refused.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _int(ge: int | None = None, le: int | None = None) -> Any:
+    """An integer field type; the bounds sit inside so the schema shows minimum/maximum."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+Int = _int()
+PositiveInt = _int(ge=1)
+NonNegativeInt = _int(ge=0)
+TopK = _int(ge=-1)
+Seed = _int(ge=SEED_MIN, le=SEED_MAX)
+Hint = _int(ge=HINT_MIN, le=HINT_MAX)
+NonNegativeHint = _int(ge=0, le=HINT_MAX)
 
 
 class _Strict(BaseModel):
@@ -28,36 +51,36 @@ class StreamOptions(_Strict):
 class TokensliceOptions(_Strict):
     """The `tokenslice` extension object: scheduling hints for experiments."""
 
-    expected_output_tokens: int | None = Field(
-        None, ge=0, description="true output length, read only by the srpt-oracle policy")
+    expected_output_tokens: NonNegativeHint | None = Field(
+        None, description="true output length, read only by the srpt-oracle policy")
 
 
 class SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = Field(None, description="must be the served model name; defaults to it")
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: PositiveInt | None = None
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: off")
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    top_k: TopK | None = Field(None, description="0 or -1: off")
+    seed: Seed | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, description="only 1 is supported")
+    n: PositiveInt = Field(1, description="only 1 is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0 is supported")
     frequency_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0 is supported")
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    priority: int = Field(0, description="lower runs first under --policy priority")
+    min_tokens: NonNegativeInt = 0
+    priority: Hint = Field(0, description="lower runs first under --policy priority")
     user: str | None = None
     tokenslice: TokensliceOptions | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[Int] | list[str] | list[list[Int]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, description="not supported yet: must be null")
+    logprobs: NonNegativeInt | None = Field(None, description="not supported yet: must be null")
     suffix: str | None = Field(None, description="not supported: must be null")
 
 
@@ -74,9 +97,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, description="wins over max_tokens")
+    max_completion_tokens: PositiveInt | None = Field(None, description="wins over max_tokens")
     logprobs: bool = Field(False, description="not supported yet: must be false")
-    top_logprobs: int | None = Field(None, ge=0, description="not supported yet: must be null")
+    top_logprobs: NonNegativeInt | None = Field(None, description="not supported yet: must be null")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
     add_generation_prompt: bool = True
 
