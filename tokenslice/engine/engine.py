@@ -5,6 +5,7 @@ step() = plan = scheduler.schedule(now); result = executor.execute(plan);
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import logging
@@ -65,6 +66,9 @@ class Engine:
         self.num_steps = 0
         self.last_step_seconds = 0.0
         self.timings = StepTimings()
+        # Simulator only: repeat unchanged decode batches in bulk between events (exact).
+        self.fast_forward = False
+        self.max_fast_forward_steps = 4096
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -99,8 +103,10 @@ class Engine:
 
         kv = KVManager(block_size, kv_cache_blocks)
         policy = make_policy(config.policy, PolicyContext(config, cost))
-        return cls(Scheduler(config, policy, kv), SimulatedExecutor(cost), tokenizer=None, clock=VirtualClock(),
-                   max_model_len=max_model_len, vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name)
+        engine = cls(Scheduler(config, policy, kv), SimulatedExecutor(cost), tokenizer=None, clock=VirtualClock(),
+                     max_model_len=max_model_len, vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name)
+        engine.fast_forward = True
+        return engine
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -166,11 +172,22 @@ class Engine:
                 outputs.append(self._output(req, []))
         return outputs
 
-    def _advance(self) -> tuple[list[Request], list[Request]]:
-        """schedule -> execute -> update; returns (requests with a new token, requests finished)."""
+    def _advance(self, horizon: float = float("inf")) -> tuple[list[Request], list[Request]]:
+        """schedule -> execute -> update; returns (requests with a new token, requests finished).
+
+        With fast_forward (simulator), a decode-only batch then repeats in bulk until the next
+        event: a finish, a policy change, KV growth that no longer fits, or `horizon` (the
+        next arrival). `produced` then lists each request once."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(self.clock.now())
         t1 = time.perf_counter()
+        if self.fast_forward and self.clock.now() < horizon:
+            ran = self._repeat(plan, horizon)
+            if ran is not None:
+                finished = self.scheduler.take_finished()
+                self.timings.schedule_s += t1 - t0
+                self.timings.update_s += time.perf_counter() - t1
+                return ran, finished
         result = self.executor.execute(plan)
         t2 = time.perf_counter()
         self.clock.advance(result.step_seconds)
@@ -191,6 +208,28 @@ class Engine:
         self.timings.execute_s += t2 - t1
         self.timings.update_s += t3 - t2
         return produced, finished
+
+    def _repeat(self, plan: StepPlan, horizon: float) -> list[Request] | None:
+        """Run a just-scheduled decode-only plan for as many steps as it provably stays the
+        plan (at least 2), in bulk; None when that is not the case."""
+        sched = self.scheduler
+        reqs = sched.repeatable_steps(plan)
+        if not reqs:
+            return None
+        k = sched.max_repeat(reqs, self.max_fast_forward_steps)
+        if k < 2:
+            return None
+        durations, ends = self.executor.repeat_decode_times(reqs, k, self.clock.now())  # type: ignore[attr-defined]
+        # Stop at the first step that reaches the next arrival, as step-by-step replay would.
+        k = min(k, bisect.bisect_left(ends, horizon) + 1)
+        k = sched.policy.stable_steps(reqs, durations[:k], ends[:k])  # type: ignore[attr-defined]
+        if k < 2:
+            return None
+        sched.repeat_decode(reqs, durations[:k], ends[:k], self.executor.token)  # type: ignore[attr-defined]
+        self.clock.advance_to(ends[k - 1])
+        self.num_steps += k
+        self.last_step_seconds = durations[k - 1]
+        return reqs
 
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         done = req.is_finished
@@ -223,7 +262,8 @@ class Engine:
             if not self.has_unfinished():
                 self._wait_until(start + items[i].arrival_time)
                 continue
-            _, finished = self._advance()
+            horizon = start + items[i].arrival_time if i < len(items) else float("inf")
+            _, finished = self._advance(horizon)
             for req in finished:
                 self._detok.pop(req.request_id, None)
                 if on_finish is not None:

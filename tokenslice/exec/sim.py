@@ -7,13 +7,30 @@ from __future__ import annotations
 
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import BatchShape, CostModel
+from tokenslice.request import Request
 
 PLACEHOLDER_TOKEN = 0
 
 
 class SimulatedExecutor:
+    token = PLACEHOLDER_TOKEN
+
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
+
+    def repeat_decode_times(self, reqs: list[Request], k: int, now: float) -> tuple[list[float], list[float]]:
+        """Durations and end times of k decode steps of this batch; contexts grow by one a step.
+        Ends accumulate one by one, as the clock would step by step."""
+        n = len(reqs)
+        ctx = sum(r.num_tokens for r in reqs)
+        durations, ends = [], []
+        t = now
+        for j in range(k):
+            d = self.cost.iteration_seconds(BatchShape(decode_seqs=n, context_tokens=ctx + n * j))
+            t += d
+            durations.append(d)
+            ends.append(t)
+        return durations, ends
 
     @staticmethod
     def shape(plan: StepPlan) -> BatchShape:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tokenslice.request import Request
-from tokenslice.sched.policy import PolicyContext
+from tokenslice.sched.policy import PolicyContext, StaticOrderMixin
 
 
-class FCFSPolicy:
+class FCFSPolicy(StaticOrderMixin):
     """Oldest request first; a started request runs to completion unless memory forces it out."""
 
     name = "fcfs"
@@ -21,6 +21,9 @@ class FCFSPolicy:
         self._live[req.request_id] = req
 
     def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
+        pass
+
+    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
         pass
 
     def on_finish(self, req: Request) -> None:

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Iterable
 
 from tokenslice.request import Request
-from tokenslice.sched.policy import PolicyContext, queue_position_estimates
+from tokenslice.sched.policy import PolicyContext, StaticOrderMixin, queue_position_estimates
 
 # Starvation limit when none is configured: the time to generate this many tokens at the
 # SLO pace (normalized-latency SLO x tokens). A job paused this long is already failing it.
@@ -89,6 +89,44 @@ class SkipJoinMLFQPolicy:
             self._place(req, level, self.quanta[level], now)
         self._promote_starving(now)
 
+    def stable_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> int:
+        """Steps until the first quantum runs out in the batch or a waiting job starves."""
+        limit = len(ends)
+        heap = self._starve_heap
+        while heap and self.last_run.get(heap[0][2]) != heap[0][0]:
+            heapq.heappop(heap)  # drop stale entries so the top is a real deadline
+        if heap:
+            limit = min(limit, bisect.bisect_left(ends, heap[0][0] + self.starvation_limit) + 1)
+        for req in ran:
+            left = self.budget.get(req.request_id)
+            if left is None:
+                continue
+            for j in range(limit):
+                left -= durations[j]  # same order of subtraction as step-by-step charging
+                if left <= 0:
+                    limit = j + 1
+                    break
+        return max(1, limit)
+
+    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
+        """Charge a run of steps at once; stable_steps guaranteed no move happens before its end."""
+        now = ends[-1]
+        for req in ran:
+            rid = req.request_id
+            if rid not in self.level:
+                continue
+            left = self.budget[rid]
+            for d in durations:
+                left -= d
+            if left > 0:
+                self.budget[rid] = left
+                self._touch(rid, now)
+            else:
+                level = self._level_for(self._next_iteration_s(req), self.level[rid] + 1)
+                self.num_demotions += 1
+                self._place(req, level, self.quanta[level], now)
+        self._promote_starving(now)
+
     def _promote_starving(self, now: float) -> None:
         heap = self._starve_heap
         while heap and heap[0][0] + self.starvation_limit <= now:
@@ -124,7 +162,7 @@ class SkipJoinMLFQPolicy:
                 for rid, t in exec_s.items()}
 
 
-class FixedPriorityPolicy:
+class FixedPriorityPolicy(StaticOrderMixin):
     """Shorter input first, fixed for the job's life (FastServe's fixed-priority baseline)."""
 
     name = "fixed-priority"
@@ -143,6 +181,9 @@ class FixedPriorityPolicy:
         self._reqs[req.request_id] = req
 
     def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
+        pass
+
+    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
         pass
 
     def on_finish(self, req: Request) -> None:

@@ -61,6 +61,13 @@ class Policy(Protocol):
         """Seconds until `req` is expected to run again (FastServe ENST, ALISE EWT)."""
         ...
 
+    # Optional, for the simulator's event skipping: how many of the upcoming steps (ending at
+    # `ends`) the batch `ran` may repeat before the policy's order could change; a change at the
+    # end of step j allows j + 1 steps. `on_steps` then charges those steps in one call, with
+    # the same effect as calling on_step once per step.
+    #   def stable_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> int
+    #   def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None
+
 
 POLICY_NAMES = ("fcfs", "request-level", "mlfq", "fixed-priority", "skip-join-mlfq",
                 "srpt-oracle", "srpt-predicted", "priority", "vtc")
@@ -99,3 +106,14 @@ def queue_position_estimates(ranked: list[Request], remaining_s: dict[str, float
         out[r.request_id] = 0.0 if i < batch else ahead / batch
         ahead += remaining_s.get(r.request_id, 0.0)
     return out
+
+
+class StaticOrderMixin:
+    """Policies whose order changes only on arrivals and finishes (the scheduler sees those)."""
+
+    def stable_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> int:
+        return len(ends)
+
+    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
+        for d, t in zip(durations, ends, strict=True):
+            self.on_step(ran, d, t)  # type: ignore[attr-defined]

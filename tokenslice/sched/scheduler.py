@@ -64,8 +64,9 @@ class Scheduler:
         chosen: set[str] = set()
         dropped: set[str] = set()
         admission_blocked = False  # a new request is waiting for memory: no newer one may jump it
-        for req in it:
-            if len(chosen) >= cfg.max_batch_size or budget <= 0:
+        while len(chosen) < cfg.max_batch_size and budget > 0:
+            req = next(it, None)  # `it` is rebound when the rest of the order is materialized
+            if req is None:
                 break
             seen.append(req)
             computed = req.num_computed_tokens
@@ -169,6 +170,72 @@ class Scheduler:
                 self._finish(req, reason, now, RequestState.FINISHED)
         self.policy.on_step(ran, result.step_seconds, now)
         return produced
+
+    # ---- simulator event skipping ---------------------------------------------------------------
+    def repeatable_steps(self, plan: StepPlan) -> list[Request] | None:
+        """The batch of a decode-only plan whose policy can bound repeats (see
+        Policy.stable_steps), or None."""
+        if plan.prefill or plan.drop or plan.swap_in or plan.swap_out or not plan.decode:
+            return None
+        if not hasattr(self.policy, "stable_steps"):
+            return None
+        reqs = []
+        for s in plan.decode:
+            req = self.requests.get(s.request_id)
+            if req is None:
+                return None
+            reqs.append(req)
+        return reqs
+
+    def max_repeat(self, reqs: list[Request], max_steps: int) -> int:
+        """Steps the batch may run before its first finish (that step included) or before its
+        KV growth no longer fits in the free blocks."""
+        k = max_steps
+        for r in reqs:
+            n_out = len(r.output_token_ids)
+            k = min(k, r.params.max_tokens - n_out)
+            if r.max_total_tokens is not None:
+                k = min(k, r.max_total_tokens - len(r.prompt_token_ids) - n_out)
+        if k <= 0:
+            return 0
+        kv = self.kv
+
+        def growth(steps: int) -> int:
+            return sum(kv.blocks_needed(r.request_id, r.num_computed_tokens + steps) for r in reqs)
+
+        if growth(k) > kv.device.num_free:  # largest k whose growth fits (growth is monotone)
+            lo, hi = 0, k
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if growth(mid) <= kv.device.num_free:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        return k
+
+    def repeat_decode(self, reqs: list[Request], durations: list[float], ends: list[float],
+                      token: int) -> None:
+        """Apply len(durations) decode steps of `reqs` at once, exactly as that many
+        schedule/update rounds would (the caller checked nothing else could change)."""
+        k = len(durations)
+        new_tokens = [token] * k
+        for req in reqs:
+            self.kv.ensure(req.request_id, req.num_computed_tokens + k)
+            req.num_computed_tokens += k
+            m = req.metrics
+            m.iterations += k
+            service = m.attained_service_s
+            for d in durations:
+                service += d
+            m.attained_service_s = service
+            req.output_token_ids.extend(new_tokens)
+            m.token_times.extend(ends)
+        self.policy.on_steps(reqs, durations, ends)  # type: ignore[attr-defined]
+        for req in reqs:
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason, ends[-1], RequestState.FINISHED)
 
     @staticmethod
     def _stop_reason(req: Request, tok: int) -> str | None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from tokenslice.request import Request
-from tokenslice.sched.policy import PolicyContext, queue_position_estimates
+from tokenslice.sched.policy import PolicyContext, StaticOrderMixin, queue_position_estimates
 
 
-class SRPTOraclePolicy:
+class SRPTOraclePolicy(StaticOrderMixin):
+    """Running jobs only get shorter, so a batch stays on top until an arrival or a finish."""
+
     name = "srpt-oracle"
 
     def __init__(self, ctx: PolicyContext) -> None:
@@ -26,6 +28,9 @@ class SRPTOraclePolicy:
         self._live[req.request_id] = req
 
     def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
+        pass
+
+    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
         pass
 
     def on_finish(self, req: Request) -> None:
