@@ -169,3 +169,27 @@ def test_cli_generate(capsys):
     assert capsys.readouterr().out.startswith(", there was a little girl")
     assert main(["generate", "--model", "/nonexistent", "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "request-level", "mlfq", "skip-join-mlfq", "fixed-priority",
+                                    "srpt-oracle"])
+@pytest.mark.parametrize("preemption", ["defer", "recompute"])
+def test_preemption_is_invisible(policy, preemption, alone_tokens):
+    prompts, alone = alone_tokens
+    # A short starvation limit and a small pool: requests are paused, promoted and recomputed.
+    llm = LLM(str(STORIES), policy=policy, preemption=preemption, kv_cache_blocks=14, max_batch_size=4,
+              starvation_limit_s=0.01)
+    reqs = [llm.engine.add_request(p, GREEDY, expected_output_tokens=GREEDY.max_tokens) for p in prompts]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [r.output_token_ids for r in reqs] == alone
+    assert llm.engine.scheduler.kv.device.num_free == 14
+    if policy != "request-level":  # the pool is small enough that work really was dropped and redone
+        assert llm.engine.scheduler.num_recomputed_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def alone_tokens():
+    prompts = _story_prompts(12)
+    llm = LLM(str(STORIES), max_batch_size=1)
+    return prompts, [llm.generate([p], GREEDY)[0].token_ids for p in prompts]

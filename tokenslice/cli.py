@@ -28,6 +28,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption", default="recompute", choices=list(PREEMPTION_MODES))
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-tokens-per-step", type=int, default=2048)
+    p.add_argument("--profile", default=None,
+                   help="cost model for policy decisions: a `tokenslice profile` JSON or model@hardware")
+    p.add_argument("--starvation-limit-s", type=float, default=None,
+                   help="MLFQ: promote jobs waiting longer than this (default: from the SLO)")
+    p.add_argument("--slo-normalized-latency", type=float, default=None, help="s/token; informs policy defaults")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -38,7 +43,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                           kv_memory_fraction=a.kv_memory_fraction, swap_space_gb=a.swap_space_gb,
                           offload_dtype=a.offload_dtype),
         scheduler=SchedulerConfig(policy=a.policy, preemption=a.preemption, max_batch_size=a.max_batch_size,
-                                  max_tokens_per_step=a.max_tokens_per_step))
+                                  max_tokens_per_step=a.max_tokens_per_step, starvation_limit_s=a.starvation_limit_s,
+                                  slo_normalized_latency=a.slo_normalized_latency),
+        profile=a.profile)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

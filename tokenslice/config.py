@@ -76,6 +76,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Cost model the policies use for iteration times: model@hardware or a `tokenslice profile`
+    # JSON. None: policies that need times fall back to a fixed default iteration.
+    profile: str | None = None
 
     def validate(self) -> None:
         self.cache.validate()

@@ -12,13 +12,15 @@ class LLM:
     def __init__(self, model: str = "builtin:tiny", *, dtype: str = "auto", device: str = "auto",
                  policy: str = "fcfs", preemption: str = "recompute", max_batch_size: int = 64,
                  max_tokens_per_step: int = 2048, kv_cache_blocks: int | None = None, block_size: int = 16,
-                 max_model_len: int | None = None, tokenizer: str | None = None, seed: int = 0) -> None:
+                 max_model_len: int | None = None, tokenizer: str | None = None, seed: int = 0,
+                 profile: str | None = None, **scheduler_options: Any) -> None:
         self.config = EngineConfig(
             model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
                               max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(block_size=block_size, kv_cache_blocks=kv_cache_blocks),
             scheduler=SchedulerConfig(policy=policy, preemption=preemption, max_batch_size=max_batch_size,
-                                      max_tokens_per_step=max_tokens_per_step))
+                                      max_tokens_per_step=max_tokens_per_step, **scheduler_options),
+            profile=profile)
         self.engine = Engine.from_config(self.config)
 
     @property

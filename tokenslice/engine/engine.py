@@ -20,7 +20,7 @@ from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import (CompletionOutput, InvalidRequestError, Request, RequestOutput,
                                 SamplingParams)
-from tokenslice.predict.cost import CostModel
+from tokenslice.predict.cost import CostModel, load_cost_model
 from tokenslice.sched.policy import PolicyContext, make_policy
 from tokenslice.sched.scheduler import Scheduler
 
@@ -85,7 +85,8 @@ class Engine:
         log.info("model %s (%s, %s on %s): %d KV blocks of %d tokens", loaded.name, loaded.arch.architecture,
                  loaded.dtype, loaded.device, blocks, config.cache.block_size)
         kv = KVManager(config.cache.block_size, blocks)
-        scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy), kv)
+        cost = load_cost_model(config.profile) if config.profile else None
+        scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, PolicyContext(config.scheduler, cost)), kv)
         eos = loaded.tokenizer.eos_token_id if loaded.tokenizer.eos_token_id is not None else loaded.arch.eos_token_id
         eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         engine = cls(scheduler, LocalExecutor(runner), tokenizer=loaded.tokenizer, clock=RealClock(),

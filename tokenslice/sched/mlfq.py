@@ -13,6 +13,9 @@ from tokenslice.sched.policy import PolicyContext, StaticOrderMixin, queue_posit
 # Starvation limit when none is configured: the time to generate this many tokens at the
 # SLO pace (normalized-latency SLO x tokens). A job paused this long is already failing it.
 STARVATION_SLO_TOKENS = 50
+# Iteration times match a quantum within this relative slack: the cost model is not more
+# precise than that, and a few prompt tokens over a decode step must not push a job out of Q1.
+QUANTUM_SLACK = 0.05
 
 
 class SkipJoinMLFQPolicy:
@@ -46,7 +49,7 @@ class SkipJoinMLFQPolicy:
     # ---- queue moves ----------------------------------------------------------------------
     def _level_for(self, seconds: float, at_least: int = 0) -> int:
         """Highest queue at or below `at_least` whose quantum covers `seconds`."""
-        i = bisect.bisect_left(self.quanta, seconds, lo=at_least)
+        i = bisect.bisect_left(self.quanta, seconds / (1 + QUANTUM_SLACK), lo=at_least)
         return min(i, len(self.quanta) - 1)
 
     def _place(self, req: Request, level: int, budget: float, now: float) -> None:
