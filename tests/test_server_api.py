@@ -241,6 +241,15 @@ def test_raw_http_errors(srv: RunningServer) -> None:
         assert set(err) == {"message", "type", "param", "code"}
 
 
+def test_hopelessly_long_prompt_refused_before_tokenizing(client: openai.OpenAI) -> None:
+    for call in (lambda: client.completions.create(model=MODEL, prompt="z" * 3_000_000, max_tokens=2),
+                 lambda: client.chat.completions.create(
+                     model=MODEL, messages=[{"role": "user", "content": "z" * 3_000_000}], max_tokens=2)):
+        with pytest.raises(openai.BadRequestError) as exc:
+            call()
+        assert "characters" in exc.value.body["message"]
+
+
 def test_body_limit_through_client(client: openai.OpenAI) -> None:
     with pytest.raises(openai.APIStatusError) as exc:
         client.completions.create(model=MODEL, prompt="y" * (5 * 1024 * 1024), max_tokens=2)

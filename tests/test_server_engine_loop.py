@@ -14,7 +14,7 @@ from tokenslice.config import CacheConfig, EngineConfig, ModelConfig
 from tokenslice.engine.async_engine import AsyncEngine, EngineOverloadedError, MAX_CONSECUTIVE_FAULTS
 from tokenslice.engine.engine import Engine
 from tokenslice.plan import StepPlan, StepResult
-from tokenslice.request import InvalidRequestError, SamplingParams
+from tokenslice.request import InvalidRequestError, RequestOutput, SamplingParams
 
 MODEL = "builtin:tiny"
 
@@ -34,18 +34,21 @@ def _until(pred: object, timeout: float = 30.0) -> None:
 
 def test_abort_frees_kv_within_one_iteration(engine: Engine) -> None:
     async def main() -> None:
-        ae = AsyncEngine(engine, max_waiting=8)
+        seen: list[RequestOutput] = []  # every output the loop produced, delivered or not
+        ae = AsyncEngine(engine, max_waiting=8, observer=seen.append)
         ae.start()
         try:
             stream = await ae.add_request("long", engine.tokenize("abort me"),
                                           SamplingParams(max_tokens=900, ignore_eos=True))
             got = [await stream.__anext__() for _ in range(3)]
             assert all(o.new_token_ids for o in got)
-            steps_at_abort = ae.stats.num_steps
             ae.abort(stream)
-            await asyncio.to_thread(_until, lambda: ae.stats.device_blocks_used == 0 and ae.stats.num_running == 0)
+            await asyncio.to_thread(_until, lambda: bool(seen) and seen[-1].finished
+                                    and ae.stats.device_blocks_used == 0 and ae.stats.num_running == 0)
+            final = seen[-1]
+            assert final.request_id == "long" and final.finish_reason == "abort"
             # The loop applies the abort before its next step: at most the step in flight ran.
-            assert ae.stats.num_steps - steps_at_abort <= 1
+            assert final.num_output_tokens <= got[-1].num_output_tokens + 1
             assert not engine.has_unfinished()
             kv = engine.scheduler.kv
             assert kv.num_free_device_blocks == kv.device.num_blocks

@@ -132,6 +132,9 @@ class _LoopState:
     """Owned by the loop thread."""
 
     streams: dict[str, RequestStream] = field(default_factory=dict)
+    # An abort's final output (and the executor's cue to forget the request) comes out of the
+    # next step; when nothing else is live, the loop takes one empty step to deliver it.
+    flush: bool = False
     consecutive_faults: int = 0
     num_faults: int = 0
 
@@ -252,7 +255,7 @@ class AsyncEngine:
                 idle = not self.engine.has_unfinished()
                 if not self._drain(block=idle):
                     break
-                if self.engine.has_unfinished():
+                if self.engine.has_unfinished() or self._state.flush:
                     self._step()
                 self.stats = read_stats(self.engine, self._state.num_faults)
         except Exception:
@@ -312,10 +315,12 @@ class AsyncEngine:
     def _abort(self, request_id: str) -> None:
         if self._state.streams.pop(request_id, None) is not None:
             self.engine.abort_request(request_id)
+            self._state.flush = True
             log.debug("request %s aborted", request_id)
 
     def _step(self) -> None:
         st = self._state
+        st.flush = False
         try:
             outputs = self.engine.step()
         except Exception:

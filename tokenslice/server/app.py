@@ -11,6 +11,7 @@ text are never logged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import time
@@ -271,7 +272,27 @@ class Server:
         params.min_tokens = min(params.min_tokens, cap)
         return params
 
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """More characters than this cannot fit the context whatever the tokenizer does.
+
+        Tokenizing a body-limit-sized prompt takes seconds of CPU; this refuses hopeless ones
+        first. No token spells more characters than its longest vocabulary entry; the factor 4
+        leaves room for normalizers that merge characters."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            return None
+        longest = max((len(t) for t in tok.get_vocab()), default=1)
+        return self.engine.max_model_len * max(1, longest) * 4
+
+    def _check_length(self, text: str, param: str) -> None:
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(400, f"{param} has {len(text)} characters, more than this model's context of "
+                                f"{self.engine.max_model_len} tokens can hold", param=param)
+
     def tokenize_prompt(self, prompt: str) -> list[int]:
+        self._check_length(prompt, "prompt")
         try:
             return self.engine.tokenize(prompt)
         except InvalidRequestError as e:
@@ -294,6 +315,7 @@ class Server:
             text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+        self._check_length(text, "messages")
         # The template already places any special tokens (BOS) it wants.
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
@@ -476,10 +498,6 @@ class Server:
             track.outcome = "client disconnected; aborted"
             track.log()
             raise
-        except APIError as e:
-            track.status = e.status
-            track.log()
-            raise
 
     @staticmethod
     def new_track(request: Request, prefix: str, route: str) -> _Track:
@@ -507,15 +525,21 @@ def _finish(out: RequestOutput) -> str | None:
 
 
 # ---- app factory ----------------------------------------------------------------------------------
-_ERROR_DOCS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "Invalid request"},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
-    413: {"model": ErrorResponse, "description": "Request body too large"},
-    429: {"model": ErrorResponse, "description": "Too many requests waiting; see Retry-After"},
-    500: {"model": ErrorResponse, "description": "Engine fault"},
-    503: {"model": ErrorResponse, "description": "Engine not running"},
-}
-_SSE_DOC = {"text/event-stream": {"schema": {"type": "string"}}}
+def _error_docs() -> dict[int | str, dict[str, Any]]:
+    # Built per app: FastAPI keeps references into these while generating the schema.
+    return {
+        400: {"model": ErrorResponse, "description": "Invalid request"},
+        401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+        413: {"model": ErrorResponse, "description": "Request body too large"},
+        429: {"model": ErrorResponse, "description": "Too many requests waiting; see Retry-After"},
+        500: {"model": ErrorResponse, "description": "Engine fault"},
+        503: {"model": ErrorResponse, "description": "Engine not running"},
+    }
+
+
+def _ok_doc(model: type, what: str) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                  "description": f"{what}, or server-sent events when stream is true"}}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -638,17 +662,14 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         log.error("%s %s: unexpected error", rid, request.url.path, exc_info=exc)
         return error_response(500, f"internal server error (request id {rid})", "server_error")
 
-    v1 = APIRouter(prefix="/v1", responses=_ERROR_DOCS)
+    v1 = APIRouter(prefix="/v1", responses=_error_docs())
 
-    @v1.post("/completions", response_model=None,
-             responses={200: {"model": CompletionResponse, "content": _SSE_DOC,
-                              "description": "A completion, or server-sent events when stream is true"}})
+    @v1.post("/completions", response_model=None, responses=_ok_doc(CompletionResponse, "A completion"))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await server.completions(body, request)
 
     @v1.post("/chat/completions", response_model=None,
-             responses={200: {"model": ChatCompletionResponse, "content": _SSE_DOC,
-                              "description": "A chat completion, or server-sent events when stream is true"}})
+             responses=_ok_doc(ChatCompletionResponse, "A chat completion"))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat_completions(body, request)
 
