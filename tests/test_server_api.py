@@ -286,3 +286,14 @@ def test_chat_without_template_is_400() -> None:
         assert "chat template" in exc.value.body["message"]
         ok = c.completions.create(model="stories", prompt="Once upon a time", max_tokens=4)
         assert ok.usage.completion_tokens >= 1
+
+
+def test_scheduling_fields_reach_the_engine(srv: RunningServer, client: openai.OpenAI) -> None:
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=200, stream=True, user="alice",
+        extra_body={"ignore_eos": True, "priority": 5, "tokenslice": {"expected_output_tokens": 7}})
+    first = next(iter(stream))
+    req = srv.engine.scheduler.requests.get(first.id)  # live while we hold the stream open
+    stream.close()
+    assert req is not None
+    assert (req.priority, req.user, req.expected_output_tokens) == (5, "alice", 7)

@@ -46,8 +46,8 @@ log = logging.getLogger("tokenslice.server")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Temperatures below this sample greedily: dividing logits by ~0 would overflow to inf and NaN.
 GREEDY_TEMPERATURE = 1e-5
-# The sampler divides float32 logits by the temperature: above this, the divisor would round to
-# inf (and -inf/inf is NaN). Sampling is already uniform for all practical purposes far below it.
+# The sampler divides float32 logits by the temperature; one past float32's range becomes inf
+# (and -inf/inf is NaN). Sampling at this temperature is already uniform for practical purposes.
 MAX_TEMPERATURE = 1e4
 # The sampler compares top_p in float32; a smaller top_p rounds to 0 and would drop every token.
 # Any top_p this small keeps only the most likely token anyway.
