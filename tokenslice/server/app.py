@@ -52,6 +52,7 @@ MAX_TEMPERATURE = 1e4
 # The sampler compares top_p in float32; a smaller top_p rounds to 0 and would drop every token.
 # Any top_p this small keeps only the most likely token anyway.
 MIN_TOP_P = 1e-6
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # of an oversized body, read and dropped before the 413
 
 
 @dataclass
@@ -129,7 +130,8 @@ class BodyLimitMiddleware:
             return
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large(scope, receive, send)
+            # Not worth draining a body that would overrun the bound anyway: answer at once.
+            await self._too_large(scope, receive, send, more_body=int(length) <= DRAIN_LIMIT_BYTES)
             return
         chunks: list[bytes] = []
         size = 0
@@ -140,7 +142,7 @@ class BodyLimitMiddleware:
             chunks.append(msg.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self._too_large(scope, receive, send)
+                await self._too_large(scope, receive, send, more_body=msg.get("more_body", False))
                 return
             if not msg.get("more_body", False):
                 break
@@ -151,7 +153,17 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, more_body: bool = True) -> None:
+        # Most HTTP/1.1 clients send the whole body before reading the answer: closing on them
+        # mid-upload shows up as a reset connection, not a 413. So read and drop the rest, up
+        # to a bound past which the connection is simply closed after the answer.
+        drained = 0
+        while more_body and drained <= DRAIN_LIMIT_BYTES:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            drained += len(msg.get("body", b""))
+            more_body = msg.get("more_body", False)
         resp = error_response(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large",
                               headers={"Connection": "close"})
         await resp(scope, receive, send)
