@@ -220,10 +220,23 @@ class Engine:
         k = sched.max_repeat(reqs, self.max_fast_forward_steps)
         if k < 2:
             return None
-        durations, ends = self.executor.repeat_decode_times(reqs, k, self.clock.now())  # type: ignore[attr-defined]
-        # Stop at the first step that reaches the next arrival, as step-by-step replay would.
-        k = min(k, bisect.bisect_left(ends, horizon) + 1)
-        k = sched.policy.stable_steps(reqs, durations[:k], ends[:k])  # type: ignore[attr-defined]
+        # Grow the window in doubling chunks: most runs end early (an arrival, a demotion), and
+        # durations past that point would be wasted work.
+        durations: list[float] = []
+        ends: list[float] = []
+        window = min(k, 16)
+        while True:
+            more_d, more_e = self.executor.repeat_decode_times(  # type: ignore[attr-defined]
+                reqs, window - len(durations), ends[-1] if ends else self.clock.now(), first_step=len(durations))
+            durations += more_d
+            ends += more_e
+            # Stop at the first step that reaches the next arrival, as step-by-step replay would.
+            limit = min(window, bisect.bisect_left(ends, horizon) + 1)
+            limit = sched.policy.stable_steps(reqs, durations[:limit], ends[:limit])  # type: ignore[attr-defined]
+            if limit < window or window == k:
+                break
+            window = min(k, 2 * window)
+        k = limit
         if k < 2:
             return None
         sched.repeat_decode(reqs, durations[:k], ends[:k], self.executor.token)  # type: ignore[attr-defined]

@@ -18,14 +18,16 @@ class SimulatedExecutor:
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
 
-    def repeat_decode_times(self, reqs: list[Request], k: int, now: float) -> tuple[list[float], list[float]]:
-        """Durations and end times of k decode steps of this batch; contexts grow by one a step.
-        Ends accumulate one by one, as the clock would step by step."""
+    def repeat_decode_times(self, reqs: list[Request], k: int, now: float,
+                            first_step: int = 0) -> tuple[list[float], list[float]]:
+        """Durations and end times of decode steps first_step .. first_step + k - 1 of this batch,
+        starting at `now`; contexts grow by one a step. Ends accumulate one by one, as the clock
+        would step by step."""
         n = len(reqs)
         ctx = sum(r.num_tokens for r in reqs)
         durations, ends = [], []
         t = now
-        for j in range(k):
+        for j in range(first_step, first_step + k):
             d = self.cost.iteration_seconds(BatchShape(decode_seqs=n, context_tokens=ctx + n * j))
             t += d
             durations.append(d)

@@ -266,6 +266,7 @@ class RooflineCostModel(CostModel):
         self.tensor_parallel = tensor_parallel
         # Each GPU copies its own KV shard over its own host link, so links add up.
         self.transfer = TransferSpec(hardware.host_link_bandwidth * tensor_parallel, hardware.transfer_op_overhead_s)
+        self._constants()
 
     @property
     def name(self) -> str:
@@ -277,33 +278,43 @@ class RooflineCostModel(CostModel):
         return self.model.kv_bytes_per_token
 
     def _op_seconds(self, flops: float, num_bytes: float) -> float:
-        hw = self.hardware
-        return max(flops / (hw.matmul_flops * hw.compute_efficiency),
-                   num_bytes / (hw.memory_bandwidth * hw.memory_efficiency))
+        return max(flops / self._flop_rate, num_bytes / self._byte_rate)
+
+    def _constants(self) -> None:
+        """Per-model numbers every iteration needs; the simulator calls iteration_seconds
+        millions of times, so they are worked out once."""
+        m, hw, tp = self.model, self.hardware, self.tensor_parallel
+        self._flop_rate = hw.matmul_flops * hw.compute_efficiency
+        self._byte_rate = hw.memory_bandwidth * hw.memory_efficiency
+        self._dense_flops_per_token = 2.0 * m.layer_params / tp
+        self._dense_bytes = m.layer_params * m.bytes_per_param / tp
+        self._attn_flops_per_pair = 4.0 * (m.num_heads * m.head_dim / tp)
+        self._kv_bytes_per_token_layer = 2 * max(m.num_kv_heads / tp, 1) * m.head_dim * m.kv_bytes_per_value
+        head_params = m.vocab_size * m.hidden_size / tp
+        self._head_flops_per_seq = 2.0 * head_params
+        self._head_bytes = head_params * m.bytes_per_param
+        self._fixed_per_layer = KERNELS_PER_LAYER * hw.op_overhead_s
 
     def iteration_seconds(self, shape: BatchShape) -> float:
-        if shape.is_empty():
+        tokens = shape.prefill_tokens + shape.decode_seqs
+        if tokens == 0:
             return 0.0
         m, hw, tp = self.model, self.hardware, self.tensor_parallel
-        tokens = shape.num_tokens
         # Dense matmuls: weights are read once per iteration however many tokens share them, which
         # is why batching decode is nearly free until the batch becomes compute-bound.
-        dense = self._op_seconds(2.0 * m.layer_params * tokens / tp, m.layer_params * m.bytes_per_param / tp)
+        dense = self._op_seconds(self._dense_flops_per_token * tokens, self._dense_bytes)
         # Attention: QK^T and AV cost 4*d FLOPs per (query, key) pair; K and V are read per context
         # token and written for each new token. KV heads are split across GPUs (replicated if fewer).
-        q_dim = m.num_heads * m.head_dim / tp
-        kv_per_token_layer = 2 * max(m.num_kv_heads / tp, 1) * m.head_dim * m.kv_bytes_per_value
-        attn = self._op_seconds(4.0 * q_dim * shape.attention_pairs,
-                                kv_per_token_layer * (shape.context_tokens + tokens))
+        attn = self._op_seconds(self._attn_flops_per_pair * (shape.context_tokens + shape.prefill_context),
+                                self._kv_bytes_per_token_layer * (shape.context_tokens + tokens))
         allreduce = 0.0
         if tp > 1:
             # Megatron-style TP: two all-reduces per layer of the activations (ring: 2(t-1)/t of the data).
             act_bytes = tokens * m.hidden_size * m.bytes_per_param
             allreduce = 2 * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * act_bytes / hw.interconnect_bandwidth)
-        per_layer = dense + attn + allreduce + KERNELS_PER_LAYER * hw.op_overhead_s
+        per_layer = dense + attn + allreduce + self._fixed_per_layer
         # LM head: one logits row per sampled sequence, but the whole vocab matrix is read.
-        head_params = m.vocab_size * m.hidden_size / tp
-        head = self._op_seconds(2.0 * head_params * shape.num_seqs, head_params * m.bytes_per_param)
+        head = self._op_seconds(self._head_flops_per_seq * (shape.prefill_seqs + shape.decode_seqs), self._head_bytes)
         return m.num_layers * per_layer + head + hw.iteration_overhead_s
 
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:

@@ -16,6 +16,8 @@ STARVATION_SLO_TOKENS = 50
 # Iteration times match a quantum within this relative slack: the cost model is not more
 # precise than that, and a few prompt tokens over a decode step must not push a job out of Q1.
 QUANTUM_SLACK = 0.05
+# Queue keys of jobs placed inside a simulated window sort after every real placement.
+_WINDOW_SEQ = 1 << 62
 
 
 class SkipJoinMLFQPolicy:
@@ -40,6 +42,8 @@ class SkipJoinMLFQPolicy:
         self.queues: list[dict[str, Request]] = [{} for _ in self.quanta]
         self.level: dict[str, int] = {}
         self.budget: dict[str, float] = {}  # quantum left at the current level
+        self.seq: dict[str, int] = {}  # placement order; a queue is ordered by it
+        self._seq = itertools.count()
         self.last_run: dict[str, float] = {}  # last time the job ran (or arrived, or was promoted)
         self._starve_heap: list[tuple[float, int, str]] = []  # (last_run, tiebreak, id); lazy deletion
         self._tiebreak = itertools.count()
@@ -59,6 +63,7 @@ class SkipJoinMLFQPolicy:
             self.queues[old].pop(rid, None)
         self.queues[level][rid] = req
         self.level[rid] = level
+        self.seq[rid] = next(self._seq)
         self.budget[rid] = budget
         self._touch(rid, now)
 
@@ -93,42 +98,71 @@ class SkipJoinMLFQPolicy:
         self._promote_starving(now)
 
     def stable_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> int:
-        """Steps until the first quantum runs out in the batch or a waiting job starves."""
+        """Steps the batch may repeat: until a waiting job starves, or a batch job's quantum runs
+        out and its new queue puts it behind a waiting job (a demotion nobody overtakes on is
+        silent, and the batch stays)."""
         limit = len(ends)
         heap = self._starve_heap
         while heap and self.last_run.get(heap[0][2]) != heap[0][0]:
             heapq.heappop(heap)  # drop stale entries so the top is a real deadline
         if heap:
             limit = min(limit, bisect.bisect_left(ends, heap[0][0] + self.starvation_limit) + 1)
-        for req in ran:
-            left = self.budget.get(req.request_id)
-            if left is None:
-                continue
-            for j in range(limit):
-                left -= durations[j]  # same order of subtraction as step-by-step charging
-                if left <= 0:
-                    limit = j + 1
-                    break
+        limit, _, _ = self._window(ran, durations[:limit], [r.num_tokens for r in ran])
         return max(1, limit)
 
     def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
-        """Charge a run of steps at once; stable_steps guaranteed no move happens before its end."""
-        now = ends[-1]
-        for req in ran:
+        """Charge a run of steps at once, applying its demotions in the order and at the times
+        step-by-step charging would; stable_steps guaranteed nothing else moves."""
+        k = len(durations)
+        _, events, budgets = self._window(ran, durations, [r.num_tokens - k for r in ran])
+        by_id = {r.request_id: r for r in ran}
+        for j, _lvl, _key, rid, new_level in sorted(events, key=lambda e: e[:3]):
+            self.num_demotions += 1
+            self._place(by_id[rid], new_level, self.quanta[new_level], ends[j])
+        for rid, left in budgets.items():
+            self.budget[rid] = left
+            self._touch(rid, ends[-1])
+        self._promote_starving(ends[-1])
+
+    def _window(self, ran: list[Request], durations: list[float], tokens_before: list[int],
+                ) -> tuple[int, list[tuple], dict[str, float]]:
+        """Replay the batch's quantum accounting over `durations` (same subtraction order as
+        step by step). Returns the steps it may run, its demotions (step, old level, queue key,
+        id, new level) and the budgets left at the end."""
+        limit = len(durations)
+        ran_ids = {r.request_id for r in ran if r.request_id in self.level}
+        best_waiting = self._best_waiting_level(ran_ids)
+        events: list[tuple] = []
+        budgets: dict[str, float] = {}
+        for req, tokens in zip(ran, tokens_before, strict=True):
             rid = req.request_id
-            if rid not in self.level:
+            if rid not in ran_ids:
                 continue
-            left = self.budget[rid]
-            for d in durations:
-                left -= d
-            if left > 0:
-                self.budget[rid] = left
-                self._touch(rid, now)
-            else:
-                level = self._level_for(self._next_iteration_s(req), self.level[rid] + 1)
-                self.num_demotions += 1
-                self._place(req, level, self.quanta[level], now)
-        self._promote_starving(now)
+            level, left, key = self.level[rid], self.budget[rid], (self.seq[rid], ())
+            for j in range(limit):
+                left -= durations[j]
+                if left > 0:
+                    continue
+                # Demoted at the end of step j, with the context it then has.
+                new_level = self._level_for(self.ctx.decode_s(tokens + j + 1), level + 1)
+                events.append((j, level, key, rid, new_level))
+                # Same-step demotions land in queue order: (step, old level, old key) sorts them.
+                level, left, key = new_level, self.quanta[new_level], (_WINDOW_SEQ + j, (level, key))
+                if new_level >= best_waiting:  # a waiting job now ranks ahead: the batch changes
+                    limit = j + 1
+                    break
+            budgets[rid] = left
+        return limit, [e for e in events if e[0] < limit], budgets
+
+    def _best_waiting_level(self, running: set[str]) -> float:
+        """The best queue holding a live job outside the batch (inf if none)."""
+        per_level: dict[int, int] = {}
+        for rid in running:
+            per_level[self.level[rid]] = per_level.get(self.level[rid], 0) + 1
+        for i, q in enumerate(self.queues):
+            if len(q) > per_level.get(i, 0):
+                return i
+        return float("inf")
 
     def _promote_starving(self, now: float) -> None:
         heap = self._starve_heap
@@ -148,6 +182,7 @@ class SkipJoinMLFQPolicy:
         if level is not None:
             self.queues[level].pop(rid, None)
         self.budget.pop(rid, None)
+        self.seq.pop(rid, None)
         self.last_run.pop(rid, None)
 
     def ranked(self, now: float) -> Iterable[Request]:
