@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenslice.predict.cost import (HARDWARE_SPECS, MODEL_SPECS, PROFILE_FEATURES, BatchShape, CostModel,
+from tokenslice.predict.cost import (HARDWARE_SPECS, MODEL_SPECS, PROFILE_FEATURES, profile_features, BatchShape, CostModel,
                                      ProfileCostModel, RooflineCostModel, TransferSpec, fit_profile, fit_transfer,
                                      known_cost_models, load_cost_model, nnls)
 
@@ -135,14 +135,13 @@ def _synthetic_samples(coef: np.ndarray, n: int, seed: int, noise: float = 0.0) 
         if not prefill and not decode:
             decode = [10]
         shape = BatchShape.from_lengths(prefill, decode)
-        secs = float(np.dot(coef, [1, shape.prefill_tokens, shape.decode_seqs, shape.context_tokens,
-                                   shape.prefill_context]))
+        secs = float(np.dot(coef, profile_features(shape)))
         out.append((shape, secs * (1 + noise * rng.standard_normal())))
     return out
 
 
 def test_fit_profile_recovers_known_coefficients() -> None:
-    true = np.array([0.02, 1.2e-4, 3e-4, 2e-7, 5e-9])
+    true = np.array([0.02, 1.2e-4, 3e-4, 2e-7, 5e-9, 1e-3, 2e-3, 5e-4])
     samples = _synthetic_samples(true, 200, seed=0)
     cm = fit_profile(samples, kv_bytes_per_token=1024, model="m", device="d")
     got = np.array([cm.coefficients[k] for k in PROFILE_FEATURES])
@@ -152,7 +151,7 @@ def test_fit_profile_recovers_known_coefficients() -> None:
 
 
 def test_fit_profile_with_noise_and_zero_coefficient_stays_non_negative() -> None:
-    true = np.array([0.015, 1e-4, 0.0, 3e-7, 0.0])  # e.g. decode sequences add nothing measurable
+    true = np.array([0.015, 1e-4, 0.0, 3e-7, 0.0, 0.0, 1e-3, 0.0])  # e.g. decode sequences add nothing
     cm = fit_profile(_synthetic_samples(true, 300, seed=1, noise=0.02), kv_bytes_per_token=1)
     got = np.array([cm.coefficients[k] for k in PROFILE_FEATURES])
     assert (got >= 0).all()
@@ -192,7 +191,7 @@ def test_fit_transfer() -> None:
 
 
 def test_profile_save_load_round_trip(tmp_path: Path) -> None:
-    true = np.array([0.02, 1.2e-4, 3e-4, 2e-7, 5e-9])
+    true = np.array([0.02, 1.2e-4, 3e-4, 2e-7, 5e-9, 1e-3, 2e-3, 5e-4])
     transfer_samples = [(nb, ops, 1e-5 * ops + nb / 12e9) for nb in (1 << 20, 1 << 26) for ops in (1, 64)]
     cm = fit_profile(_synthetic_samples(true, 50, seed=2), kv_bytes_per_token=819200, transfer=transfer_samples,
                      model="opt-13b", device="cuda:NVIDIA A100")
@@ -224,3 +223,14 @@ def test_cost_module_does_not_import_torch() -> None:
     if out == "skip":
         pytest.skip("the tokenslice package itself imports torch")
     assert out == "False"
+
+
+def test_profile_without_group_terms_still_loads() -> None:
+    """Profiles written before the per-group terms existed load with those terms at zero."""
+    old = {"kind": "profile", "model": "m", "device": "d", "kv_bytes_per_token": 8,
+           "coefficients": {"base": 1e-3, "prefill_tokens": 1e-5, "decode_seqs": 1e-5, "context_tokens": 1e-8,
+                            "prefill_context": 1e-9},
+           "transfer": {"bytes_per_s": 1e10, "op_overhead_s": 1e-5}}
+    cm = CostModel.from_dict(old)
+    assert cm.coefficients["has_prefill"] == 0.0
+    assert cm.iteration_seconds(BatchShape.from_lengths(decode=[10])) == pytest.approx(1e-3 + 1e-5 + 1e-7)

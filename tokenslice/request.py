@@ -36,9 +36,10 @@ class SamplingParams:
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be non-negative, got {self.temperature}", "temperature")
-        if not 0.0 < self.top_p <= 1.0:
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # also refuses NaN
+            raise InvalidRequestError(f"temperature must be a finite non-negative number, got {self.temperature}",
+                                      "temperature")
+        if not 0.0 < self.top_p <= 1.0:  # also refuses NaN
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
             raise InvalidRequestError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}", "top_k")

@@ -66,7 +66,7 @@ class ProfileOptions:
     max_context: int | None = None  # default: the model's context, at most 1024
     max_tokens_per_step: int = 2048
     samples: int | None = None  # grid points kept (evenly over the grid); None: all
-    repeats: int = 5  # timed runs per point; the fastest is kept
+    repeats: int = 5  # timed runs per point; the median is kept
     block_size: int = 16
     seed: int = 0
 
@@ -117,11 +117,13 @@ def profile_grid(max_batch_size: int, max_context: int, max_tokens_per_step: int
     for b in batches:
         for c in contexts:
             grid.append(GridPoint(decode=(c,) * b))
-    for b in (2, max(2, max_batch_size // 2)):
-        for length in (32, 128):
-            ctx = min(256, ctx_cap)
-            if length <= ctx_cap and length + b <= max_tokens_per_step and b <= max_batch_size:
-                grid.append(GridPoint(prefill=((length, 0),), decode=(ctx,) * b))
+    # Mixed steps (a decode batch plus a newcomer's prefill) are what continuous batching runs
+    # most under load; each attention group has a fixed cost the fit must see.
+    for b in sorted({1, 2, max(2, max_batch_size // 2), max(1, max_batch_size - 1)}):
+        for length in (16, 32, 128):
+            for ctx in sorted({min(64, ctx_cap), min(256, ctx_cap)}):
+                if length <= ctx_cap and length + b <= max_tokens_per_step and b < max_batch_size:
+                    grid.append(GridPoint(prefill=((length, 0),), decode=(ctx,) * b))
     return grid
 
 
@@ -180,13 +182,14 @@ def time_point(runner: Any, point: GridPoint, kv: KVManager, vocab: int, rng: np
 def time_grid(runner: Any, points: Sequence[GridPoint], kv: KVManager, vocab: int, repeats: int,
               rng: np.random.Generator,
               progress: Callable[[int, int], None] | None = None) -> list[tuple[BatchShape, float]]:
-    """Fastest of `repeats` timings per point, after one untimed warm-up pass.
+    """Median of `repeats` timings per point, after one untimed warm-up pass.
 
     Passes sweep the whole grid, so a point's repeats are spread over the run and one burst of
-    outside load cannot spoil them all; the minimum, not the median, because interference (on a
-    shared 2-core machine the thread pool waits for a descheduled worker) only ever adds time.
+    outside load cannot spoil them all. The median, not the minimum: the engine lives with typical
+    steps, and best-case times made simulated queues systematically shorter than the real ones
+    (fcfs latency half the real value near saturation, where queueing magnifies small errors).
     """
-    best = [math.inf] * len(points)
+    times: list[list[float]] = [[] for _ in points]
     shapes: list[BatchShape | None] = [None] * len(points)
     total = (repeats + 1) * len(points)
     for r in range(repeats + 1):
@@ -194,10 +197,10 @@ def time_grid(runner: Any, points: Sequence[GridPoint], kv: KVManager, vocab: in
             shape, secs = time_point(runner, p, kv, vocab, rng, f"r{r}-g{i}")
             shapes[i] = shape
             if r:  # pass 0 pays for lazy init and first-shape costs
-                best[i] = min(best[i], secs)
+                times[i].append(secs)
             if progress:
                 progress(r * len(points) + i + 1, total)
-    return [(shape, t) for shape, t in zip(shapes, best, strict=True) if shape is not None]
+    return [(shape, float(np.median(t))) for shape, t in zip(shapes, times, strict=True) if shape is not None]
 
 
 def measure_transfer(block_bytes: int, device: torch.device, repeats: int = 3,

@@ -18,13 +18,23 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(a.hidden_size, a.num_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.o_proj = nn.Linear(a.num_heads * a.head_dim, a.hidden_size, bias=a.o_bias)
         self.scale = a.head_dim ** -0.5
+        self.qkv_proj: nn.Linear | None = None  # built by fuse() after loading
+
+    def fuse(self) -> None:
+        """One matmul for q, k and v: fewer, larger GEMMs run faster, most of all on CPU."""
+        self.qkv_proj = _fused_linear([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([self.q_proj.out_features, self.k_proj.out_features,
+                                               self.v_proj.out_features], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, kv_layer, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -36,9 +46,29 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=a.mlp_bias)
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=a.mlp_bias)
         self.act = activation(a.hidden_act)
+        self.gate_up_proj: nn.Linear | None = None  # built by fuse() after loading
+
+    def fuse(self) -> None:
+        self.gate_up_proj = _fused_linear([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """A Linear whose output is the parts' outputs side by side; the parts keep their
+    (checkpoint-named) parameters, which the fused copy no longer reads."""
+    w = torch.cat([p.weight.detach() for p in parts])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=parts[0].bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(w)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+    fused.requires_grad_(False)
+    return fused
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -75,6 +105,15 @@ class LlamaForCausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse(self) -> None:
+        """Fuse projections for speed once weights are final; also frees the unfused copies."""
+        for layer in self.model.layers:
+            for mod, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")), (layer.mlp, ("gate_proj", "up_proj"))):
+                mod.fuse()
+                for n in names:  # keep shapes for split sizes, drop the storage
+                    getattr(mod, n).weight = nn.Parameter(torch.empty(0), requires_grad=False)
+                    getattr(mod, n).bias = None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] for the batch's new tokens; kv is the whole block pool."""

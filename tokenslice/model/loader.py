@@ -76,8 +76,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
         _rebuild_buffers(model, arch)
-        return LoadedModel(model.to(device=device, dtype=dtype).eval(), arch, builtin_tokenizer(), dtype,
-                           device, BUILTIN_TINY)
+        return LoadedModel(_finalize(model, device, dtype), arch, builtin_tokenizer(), dtype, device, BUILTIN_TINY)
     path = Path(cfg.model)
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist (a local directory or {BUILTIN_TINY!r})")
@@ -99,7 +98,14 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     _load_weights(model, arch, path)
     _rebuild_buffers(model, arch)
     tokenizer = load_tokenizer(cfg.tokenizer or str(path))
-    return LoadedModel(model.to(device=device, dtype=dtype).eval(), arch, tokenizer, dtype, device, str(path))
+    return LoadedModel(_finalize(model, device, dtype), arch, tokenizer, dtype, device, str(path))
+
+
+def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if hasattr(model, "fuse"):
+        model.fuse()
+    return model
 
 
 def load_tokenizer(path: str) -> Any:

@@ -6,6 +6,8 @@ import torch
 
 from tokenslice.plan import SeqSlice
 
+MAX_TEMPERATURE = 1e4
+
 
 class Sampler:
     def __init__(self, device: torch.device, base_seed: int) -> None:
@@ -44,7 +46,8 @@ class Sampler:
             p = s.params
             if p.temperature == 0.0:
                 continue
-            row = logits[i] / p.temperature
+            # Past ~1e4 the distribution is uniform anyway; larger values would overflow to NaN.
+            row = logits[i] / min(p.temperature, MAX_TEMPERATURE)
             if 0 < p.top_k < row.shape[-1]:
                 kth = torch.topk(row, p.top_k).values[-1]
                 row = row.masked_fill(row < kth, float("-inf"))
@@ -54,6 +57,7 @@ class Sampler:
                 cum = torch.cumsum(sorted_probs, dim=-1)
                 # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
                 drop = (cum - sorted_probs) >= p.top_p
+                drop[0] = False  # a top_p below float32's range must still leave a token
                 sorted_probs = sorted_probs.masked_fill(drop, 0.0)
                 probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
             out[i] = int(torch.multinomial(probs, 1, generator=self._generator(s)))

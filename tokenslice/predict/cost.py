@@ -341,13 +341,19 @@ class RooflineCostModel(CostModel):
 
 
 # Feature order of the fitted profile; names are the JSON coefficient keys.
-PROFILE_FEATURES = ("base", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_context")
+PROFILE_FEATURES = ("base", "prefill_tokens", "decode_seqs", "context_tokens", "prefill_context",
+                    "prefill_seqs", "has_prefill", "has_decode")
+# Profiles written before the last three existed load with those terms at zero.
+OPTIONAL_FEATURES = ("prefill_seqs", "has_prefill", "has_decode")
 
 
 def profile_features(shape: BatchShape) -> list[float]:
-    """[1, prefill tokens, decode seqs, context tokens, prefill attention pairs] (ALISE §3.1)."""
+    """[1, prefill tokens, decode seqs, context tokens, prefill attention pairs] (ALISE §3.1), plus
+    per-prefill-chunk and per-attention-group terms: the engine runs prefill and decode attention
+    as separate groups, whose fixed costs dominate a small model's step."""
     return [1.0, float(shape.prefill_tokens), float(shape.decode_seqs), float(shape.context_tokens),
-            float(shape.prefill_context)]
+            float(shape.prefill_context), float(shape.prefill_seqs), float(shape.prefill_seqs > 0),
+            float(shape.decode_seqs > 0)]
 
 
 class ProfileCostModel(CostModel):
@@ -358,10 +364,10 @@ class ProfileCostModel(CostModel):
     def __init__(self, coefficients: dict[str, float], transfer: TransferSpec, kv_bytes_per_token: int,
                  model: str = "unknown", device: str = "unknown", samples: int = 0,
                  r2: float | None = None) -> None:
-        missing = [k for k in PROFILE_FEATURES if k not in coefficients]
+        missing = [k for k in PROFILE_FEATURES if k not in coefficients and k not in OPTIONAL_FEATURES]
         if missing:
             raise ValueError(f"profile coefficients missing {missing}; need {list(PROFILE_FEATURES)}")
-        self.coefficients = {k: float(coefficients[k]) for k in PROFILE_FEATURES}
+        self.coefficients = {k: float(coefficients.get(k, 0.0)) for k in PROFILE_FEATURES}
         self._weights = np.array([self.coefficients[k] for k in PROFILE_FEATURES])
         self.transfer = transfer
         self._kv_bytes_per_token = int(kv_bytes_per_token)
