@@ -5,29 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tokenslice.request import Request
-from tokenslice.sched.policy import PolicyContext, StaticOrderMixin
+from tokenslice.sched.policy import LiveSetPolicy, PolicyContext
 
 
-class FCFSPolicy(StaticOrderMixin):
+class FCFSPolicy(LiveSetPolicy):
     """Oldest request first; a started request runs to completion unless memory forces it out."""
 
     name = "fcfs"
-
-    def __init__(self) -> None:
-        # Insertion order is arrival order; a dict keeps it and removes in O(1).
-        self._live: dict[str, Request] = {}
-
-    def on_arrival(self, req: Request, now: float) -> None:
-        self._live[req.request_id] = req
-
-    def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
-        pass
-
-    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
-        pass
-
-    def on_finish(self, req: Request) -> None:
-        self._live.pop(req.request_id, None)
 
     def ranked(self, now: float) -> Iterable[Request]:
         return self._live.values()

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Iterable
 
 from tokenslice.request import Request
-from tokenslice.sched.policy import PolicyContext, StaticOrderMixin, queue_position_estimates
+from tokenslice.sched.policy import LiveSetPolicy, PolicyContext, queue_position_estimates
 
 # Starvation limit when none is configured: the time to generate this many tokens at the
 # SLO pace (normalized-latency SLO x tokens). A job paused this long is already failing it.
@@ -200,38 +200,32 @@ class SkipJoinMLFQPolicy:
                 for rid, t in exec_s.items()}
 
 
-class FixedPriorityPolicy(StaticOrderMixin):
+class FixedPriorityPolicy(LiveSetPolicy):
     """Shorter input first, fixed for the job's life (FastServe's fixed-priority baseline)."""
 
     name = "fixed-priority"
 
     def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__()
         self.ctx = ctx
-        self._keys: list[tuple[int, float, int, str]] = []
-        self._reqs: dict[str, Request] = {}
+        self._keys: list[tuple[int, float, int, str]] = []  # sorted: the ranking
         self._order = itertools.count()
         self._key_of: dict[str, tuple[int, float, int, str]] = {}
 
     def on_arrival(self, req: Request, now: float) -> None:
+        super().on_arrival(req, now)
         key = (req.num_prompt_tokens, req.arrival_time, next(self._order), req.request_id)
         bisect.insort(self._keys, key)
         self._key_of[req.request_id] = key
-        self._reqs[req.request_id] = req
-
-    def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
-        pass
-
-    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
-        pass
 
     def on_finish(self, req: Request) -> None:
+        super().on_finish(req)
         key = self._key_of.pop(req.request_id, None)
         if key is not None:
             del self._keys[bisect.bisect_left(self._keys, key)]
-            del self._reqs[req.request_id]
 
     def ranked(self, now: float) -> Iterable[Request]:
-        return (self._reqs[k[3]] for k in self._keys)
+        return (self._live[k[3]] for k in self._keys)
 
     def next_run_estimate(self, req: Request, now: float) -> float:
         ranked = list(self.ranked(now))

@@ -108,12 +108,26 @@ def queue_position_estimates(ranked: list[Request], remaining_s: dict[str, float
     return out
 
 
-class StaticOrderMixin:
-    """Policies whose order changes only on arrivals and finishes (the scheduler sees those)."""
+class LiveSetPolicy:
+    """Shared bookkeeping for policies that keep their live requests in arrival order and
+    whose order changes only on arrivals and finishes (the scheduler sees those), so the
+    simulator may repeat a batch until the next one."""
+
+    def __init__(self) -> None:
+        # Insertion order is arrival order; a dict keeps it and removes in O(1).
+        self._live: dict[str, Request] = {}
+
+    def on_arrival(self, req: Request, now: float) -> None:
+        self._live[req.request_id] = req
+
+    def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
+        pass
+
+    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
+        pass
+
+    def on_finish(self, req: Request) -> None:
+        self._live.pop(req.request_id, None)
 
     def stable_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> int:
         return len(ends)
-
-    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
-        for d, t in zip(durations, ends, strict=True):
-            self.on_step(ran, d, t)  # type: ignore[attr-defined]

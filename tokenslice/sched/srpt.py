@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from tokenslice.request import Request
-from tokenslice.sched.policy import PolicyContext, StaticOrderMixin, queue_position_estimates
+from tokenslice.sched.policy import LiveSetPolicy, PolicyContext, queue_position_estimates
 
 
-class SRPTOraclePolicy(StaticOrderMixin):
+class SRPTOraclePolicy(LiveSetPolicy):
     """Running jobs only get shorter, so a batch stays on top until an arrival or a finish."""
 
     name = "srpt-oracle"
 
     def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__()
         self.ctx = ctx
-        self._live: dict[str, Request] = {}
 
     def remaining_tokens(self, req: Request) -> int:
         total = req.expected_output_tokens if req.expected_output_tokens is not None else req.params.max_tokens
@@ -23,18 +23,6 @@ class SRPTOraclePolicy(StaticOrderMixin):
         """Remaining execution time: any prefill still owed plus the remaining decode steps."""
         prefill = self.ctx.first_iteration_s(req.remaining_tokens) if req.remaining_tokens > 1 else 0.0
         return prefill + self.remaining_tokens(req) * self.ctx.decode_s(req.num_tokens)
-
-    def on_arrival(self, req: Request, now: float) -> None:
-        self._live[req.request_id] = req
-
-    def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
-        pass
-
-    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
-        pass
-
-    def on_finish(self, req: Request) -> None:
-        self._live.pop(req.request_id, None)
 
     def ranked(self, now: float) -> list[Request]:
         # Remaining output tokens first (what SRPT orders by), prompt work and arrival break ties.
