@@ -193,3 +193,17 @@ def alone_tokens():
     prompts = _story_prompts(12)
     llm = LLM(str(STORIES), max_batch_size=1)
     return prompts, [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+def test_stream_of_deltas_is_the_whole_text_even_mid_character():
+    # builtin:tiny emits random bytes: many outputs end inside a UTF-8 sequence.
+    llm = LLM("builtin:tiny")
+    eng = llm.engine
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=9, temperature=1.0, seed=i))
+            for i, p in enumerate(["Hello", "a", "\u00e9t\u00e9", "\u4f60\u597d"])]
+    texts = {r.request_id: "" for r in reqs}
+    while eng.has_unfinished():
+        for out in eng.step():
+            texts[out.request_id] += out.text_delta
+    for r in reqs:
+        assert texts[r.request_id] == llm.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)

@@ -31,14 +31,15 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def add(self, token_ids: list[int]) -> None:
-        """Decode new tokens; sets `stopped` if a stop string appeared (text is cut before it)."""
+    def add(self, token_ids: list[int], final: bool = False) -> None:
+        """Decode new tokens; sets `stopped` if a stop string appeared (text is cut before it).
+        `final`: no more tokens will come, so bytes of an incomplete character are released too."""
         if self.stopped:
             return
         self._ids.extend(token_ids)
         prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full = self._decode(self._ids[self._prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return  # nothing printable yet, or an incomplete UTF-8 sequence: wait for more
         before = len(self.text)
         self.text += full[len(prefix):]

@@ -248,6 +248,8 @@ class Engine:
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         done = req.is_finished
         det = self._detok.pop(req.request_id, None) if done else self._detok.get(req.request_id)
+        if det is not None and done:
+            det.add([], final=True)  # release bytes held back waiting for a character to complete
         return RequestOutput(req.request_id, new_ids, det.delta(done) if det else "", done,
                              req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, req.metrics)
 
