@@ -1,20 +1,59 @@
 """KVManager: where each request's KV lives and how many blocks it holds (DESIGN.md, KVManager).
 
-It plans; the model runner owns the tensors. Device tier only for now; the block table
-per request is the unit a host tier will mirror.
+It plans; the model runner owns the tensors. Two tiers: a device pool and a host pool. Each
+request's KV is either all on device, all on host (swapped out), or nowhere (dropped: it
+recomputes). Swaps only move bookkeeping and return (source, destination) block pairs for the
+executor to copy (StepPlan.swap_out / swap_in).
+
+Transfer contract
+-----------------
+* Synchronous move (no window open): `swap_out` / `swap_in` free the source blocks at once, so
+  later allocations of the same plan may reuse them. Safe because the executor performs the
+  plan's copies in plan order (swap_out, then swap_in) before the step's compute: a reused
+  block is read before it is written. The scheduler therefore plans a step's swap-outs before
+  its swap-ins (a host block freed by a swap-in must not become a swap-out destination of the
+  same plan, since that copy would run first).
+* Asynchronous move (FastServe §4.2 proactive offload, FastSwitch async swap-in):
+  `begin_transfer(r)`, then at most one `swap_out(r)` or `swap_in(r)`, then `end_transfer(r)`
+  once the executor reports the copy done. Inside the window the source blocks stay reserved
+  (used, never reallocated) and `r` is not ready; `end_transfer` releases the sources.
+* Abort or drop mid-transfer: `free(r)` / `drop(r)` release nothing while `r`'s window is
+  open: all its blocks on both tiers stay reserved and are released by `end_transfer(r)`.
+  The executor calls for `end_transfer` when the copy completed *or* it confirmed the copy was
+  cancelled: either way the hardware no longer touches those blocks. Until then `r` stays in
+  flight (not ready; `ensure` and swaps refuse it), so no block is ever double-owned or leaked.
 """
 from __future__ import annotations
 
-from tokenslice.kv.blocks import BlockPool
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tokenslice.kv.blocks import BlockPool, OutOfBlocksError
+
+Residency = Literal["device", "host", "none"]
+
+
+@dataclass
+class _Transfer:
+    """An open transfer window of one request (begin_transfer .. end_transfer)."""
+
+    moved: bool = False  # one swap per window: a second would copy data still in flight
+    held_device: list[int] = field(default_factory=list)  # reserved for the copy, in no table
+    held_host: list[int] = field(default_factory=list)
 
 
 class KVManager:
-    def __init__(self, block_size: int, num_device_blocks: int) -> None:
+    def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0, *,
+                 contiguous: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.device = BlockPool(num_device_blocks)
-        self._tables: dict[str, list[int]] = {}
+        # contiguous: block-group placement (FastSwitch) so swaps need few copies.
+        self.device = BlockPool(num_device_blocks, contiguous=contiguous)
+        self.host = BlockPool(num_host_blocks, contiguous=contiguous)
+        self._tables: dict[str, list[int]] = {}  # device blocks per request (never empty)
+        self._host_tables: dict[str, list[int]] = {}  # host blocks per request (never empty)
+        self._transfers: dict[str, _Transfer] = {}
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -24,10 +63,19 @@ class KVManager:
         return self.device.num_free
 
     @property
+    def num_free_host_blocks(self) -> int:
+        return self.host.num_free
+
+    @property
+    def peak_host_blocks(self) -> int:
+        return self.host.peak_used
+
+    @property
     def capacity_tokens(self) -> int:
         return self.device.num_blocks * self.block_size
 
     def holds(self, request_id: str) -> bool:
+        """The request has KV on device."""
         return bool(self._tables.get(request_id))
 
     def block_table(self, request_id: str) -> list[int]:
@@ -35,6 +83,16 @@ class KVManager:
 
     def num_device_blocks(self, request_id: str) -> int:
         return len(self._tables.get(request_id, ()))
+
+    def host_blocks(self, request_id: str) -> list[int]:
+        return self._host_tables.get(request_id, [])
+
+    def residency(self, request_id: str) -> Residency:
+        if request_id in self._tables:
+            return "device"
+        if request_id in self._host_tables:
+            return "host"
+        return "none"
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Extra device blocks a request needs so that `num_tokens` tokens fit."""
@@ -45,17 +103,146 @@ class KVManager:
         need = self.blocks_needed(request_id, num_tokens)
         if need == 0:
             return []
-        new = self.device.allocate(need)
-        self._tables.setdefault(request_id, []).extend(new)
+        if request_id in self._transfers:
+            raise ValueError(f"ensure({request_id!r}): its KV is in flight; wait for end_transfer")
+        if request_id in self._host_tables:
+            raise ValueError(f"ensure({request_id!r}): its KV is on host; swap_in first")
+        table = self._tables.get(request_id)
+        # Extending the last block's run keeps a growing request in one copy (FastSwitch).
+        new = self.device.allocate(need, table[-1] if table and self.device.contiguous else None)
+        if table is None:
+            self._tables[request_id] = list(new)  # the caller may keep `new`; the table is ours
+        else:
+            table.extend(new)
         return new
 
     def free(self, request_id: str) -> int:
-        """Release every block of the request; returns how many were released."""
-        table = self._tables.pop(request_id, None)
-        if not table:
+        """Release every block of the request on both tiers; returns how many were released
+        now (0 while a transfer window is open: end_transfer releases them)."""
+        device = self._tables.pop(request_id, None)
+        host = self._host_tables.pop(request_id, None)
+        t = self._transfers.get(request_id)
+        if t is not None:  # the copy may still touch them: hand them to the window
+            t.held_device.extend(device or ())
+            t.held_host.extend(host or ())
             return 0
-        self.device.free(table)
-        return len(table)
+        if device:
+            self.device.free(device)
+        if host:
+            self.host.free(host)
+        return len(device or ()) + len(host or ())
 
+    def drop(self, request_id: str) -> int:
+        """Discard the request's KV on both tiers; it stays live and recomputes (same
+        bookkeeping as free; the name says why at call sites)."""
+        return self.free(request_id)
+
+    # ---- swapping ---------------------------------------------------------------------------
+    def can_swap_out(self, request_id: str) -> bool:
+        table = self._tables.get(request_id)
+        return bool(table) and not self._moved(request_id) and len(table) <= self.host.num_free
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+        """Move the request's KV to host; returns (device block, host block) pairs in table order."""
+        table = self._tables.get(request_id)
+        if not table:
+            raise ValueError(f"swap_out({request_id!r}): no KV on device (residency {self.residency(request_id)})")
+        if self._moved(request_id):
+            raise ValueError(f"swap_out({request_id!r}): already moved in this transfer window")
+        if len(table) > self.host.num_free:
+            raise OutOfBlocksError(f"swap_out({request_id!r}) needs {len(table)} host blocks, "
+                                   f"{self.host.num_free} free; check can_swap_out first")
+        dst = self.host.allocate(len(table))
+        del self._tables[request_id]
+        self._host_tables[request_id] = dst
+        self._release_source(request_id, self.device, table)
+        return list(zip(table, dst))
+
+    def can_swap_in(self, request_id: str) -> bool:
+        table = self._host_tables.get(request_id)
+        return bool(table) and not self._moved(request_id) and len(table) <= self.device.num_free
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+        """Move the request's KV back to device; returns (host block, device block) pairs in table order."""
+        table = self._host_tables.get(request_id)
+        if not table:
+            raise ValueError(f"swap_in({request_id!r}): no KV on host (residency {self.residency(request_id)})")
+        if self._moved(request_id):
+            raise ValueError(f"swap_in({request_id!r}): already moved in this transfer window")
+        if len(table) > self.device.num_free:
+            raise OutOfBlocksError(f"swap_in({request_id!r}) needs {len(table)} device blocks, "
+                                   f"{self.device.num_free} free; check can_swap_in first")
+        dst = self.device.allocate(len(table))
+        del self._host_tables[request_id]
+        self._tables[request_id] = dst
+        self._release_source(request_id, self.host, table)
+        return list(zip(table, dst))
+
+    def _moved(self, request_id: str) -> bool:
+        t = self._transfers.get(request_id)
+        return t is not None and t.moved
+
+    def _release_source(self, request_id: str, pool: BlockPool, blocks: list[int]) -> None:
+        t = self._transfers.get(request_id)
+        if t is None:  # synchronous move: copied before anything of this plan writes them
+            pool.free(blocks)
+            return
+        t.moved = True
+        (t.held_device if pool is self.device else t.held_host).extend(blocks)
+
+    # ---- in-flight transfers ----------------------------------------------------------------
+    def begin_transfer(self, request_id: str) -> None:
+        """Open the request's transfer window: a swap inside it keeps its sources reserved and
+        the request is not ready until end_transfer."""
+        if request_id in self._transfers:
+            raise ValueError(f"begin_transfer({request_id!r}): a transfer is already in flight")
+        self._transfers[request_id] = _Transfer()
+
+    def end_transfer(self, request_id: str) -> int:
+        """The executor finished (or confirmed cancelled) the request's copy: release the blocks
+        the window reserved; returns how many."""
+        t = self._transfers.pop(request_id, None)
+        if t is None:
+            raise ValueError(f"end_transfer({request_id!r}): no transfer in flight")
+        if t.held_device:
+            self.device.free(t.held_device)
+        if t.held_host:
+            self.host.free(t.held_host)
+        return len(t.held_device) + len(t.held_host)
+
+    def in_flight(self, request_id: str) -> bool:
+        return request_id in self._transfers
+
+    def is_ready(self, request_id: str) -> bool:
+        """May run now: no transfer in flight and no KV left on host (device-resident, or
+        nothing to recompute from)."""
+        return request_id not in self._transfers and request_id not in self._host_tables
+
+    # ---- introspection ----------------------------------------------------------------------
     def owners(self) -> dict[str, list[int]]:
         return {rid: list(t) for rid, t in self._tables.items()}
+
+    def host_owners(self) -> dict[str, list[int]]:
+        return {rid: list(t) for rid, t in self._host_tables.items()}
+
+    def held(self) -> dict[str, tuple[list[int], list[int]]]:
+        """Blocks reserved by open transfer windows beyond the tables: request -> (device, host)."""
+        return {rid: (list(t.held_device), list(t.held_host)) for rid, t in self._transfers.items()}
+
+    def check(self) -> None:
+        """Raise AssertionError unless every block is free or owned exactly once, per tier."""
+        for name, pool, tables, idx in (("device", self.device, self._tables, 0),
+                                        ("host", self.host, self._host_tables, 1)):
+            owned = [b for t in tables.values() for b in t]
+            owned += [b for held in self.held().values() for b in held[idx]]
+            if len(owned) != len(set(owned)):
+                raise AssertionError(f"{name}: a block is owned twice")
+            if len(owned) != pool.num_used:
+                raise AssertionError(f"{name}: {len(owned)} owned but {pool.num_used} used (leak)")
+            if any(pool.ref_count(b) != 1 for b in owned):
+                raise AssertionError(f"{name}: an owned block has a reference count other than 1")
+            if any(not t for t in tables.values()):
+                raise AssertionError(f"{name}: an empty table")
+        both = self._tables.keys() & self._host_tables.keys()
+        if both:
+            raise AssertionError(f"requests resident on both tiers: {sorted(both)}")

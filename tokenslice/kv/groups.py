@@ -1,0 +1,217 @@
+"""Block-group (buddy) allocator: hands out KV blocks as few contiguous runs as possible.
+
+FastSwitch (block groups): a request's KV should sit in a few large contiguous runs so that a
+swap moves it in a few large copies instead of one small copy per block; per-copy overhead, not
+bandwidth, dominates fine-grained swapping. FastServe §4.2 swaps whole jobs proactively, which
+is only cheap when those copies are large.
+
+Free space is kept as aligned power-of-two chunks (a buddy system over ids 0..num_blocks-1,
+any num_blocks): allocation carves from the smallest chunk that fits, freeing merges buddies
+back, so contiguous space is rebuilt as requests finish. Plain Python: no torch (DESIGN.md).
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+# Candidates looked at per order when avoiding another request's growth slot; bounds the cost.
+_SCAN = 8
+
+
+class OutOfBlocksError(RuntimeError):
+    pass
+
+
+def runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of consecutive ids, in table order.
+
+    The number of runs is the number of copy operations a transfer of these blocks needs.
+    """
+    out: list[tuple[int, int]] = []
+    for b in blocks:
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((b, 1))
+    return out
+
+
+def copy_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Coalesce (src, dst) block pairs into (src_start, dst_start, length) copies.
+
+    A copy grows while both source and destination stay consecutive: that is what one
+    memcpy / cudaMemcpyAsync can move (FastSwitch: fewer, larger transfers).
+    """
+    out: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if out:
+            s, d, n = out[-1]
+            if s + n == src and d + n == dst:
+                out[-1] = (s, d, n + 1)
+                continue
+        out.append((src, dst, 1))
+    return out
+
+
+class BlockGroupAllocator:
+    """Buddy allocator over block ids 0..num_blocks-1 (no reference counts: see BlockPool)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.max_order = max(num_blocks.bit_length() - 1, 0)
+        self._order_of: dict[int, int] = {}  # start of each free chunk -> its order (the truth)
+        # Per order a min-heap of chunk starts, lazily cleaned: low addresses first keeps
+        # allocations packed and deterministic.
+        self._heaps: list[list[int]] = [[] for _ in range(self.max_order + 1)]
+        self._counts = [0] * (self.max_order + 1)
+        self.num_free = num_blocks
+        start = 0
+        while start < num_blocks:  # aligned power-of-two decomposition of [0, num_blocks)
+            order = self.max_order
+            while start % (1 << order) or start + (1 << order) > num_blocks:
+                order -= 1
+            self._add(start, order)
+            start += 1 << order
+
+    # ---- queries ----------------------------------------------------------------------------
+    def is_free(self, block: int) -> bool:
+        return self._chunk_of(block) is not None
+
+    def free_chunks(self) -> list[tuple[int, int]]:
+        """(start, length) of every free chunk, by address."""
+        return sorted((s, 1 << o) for s, o in self._order_of.items())
+
+    # ---- allocation -------------------------------------------------------------------------
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """n blocks, as few runs as possible; `after` is the caller's last block: the new ones
+        extend it in place while the following ids are free, so a growing request stays one run."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        if n > self.num_free:
+            raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
+        out: list[int] = []
+        if after is not None:
+            b = after + 1
+            while len(out) < n and b < self.num_blocks and self.is_free(b):
+                self._take(b)
+                out.append(b)
+                b += 1
+        while len(out) < n:
+            m = n - len(out)
+            chunk = self._pick(max(m - 1, 0).bit_length())
+            if chunk is not None:
+                out.extend(self._carve(chunk[0], chunk[1], m))
+                break
+            # Nothing fits whole: take the largest chunk and continue (greedy keeps runs few).
+            order = max(o for o in range(self.max_order + 1) if self._counts[o])
+            start = self._pop_min(order)
+            out.extend(range(start, start + (1 << order)))
+        self.num_free -= n
+        return out
+
+    def free(self, blocks: Iterable[int]) -> None:
+        for b in blocks:
+            if not 0 <= b < self.num_blocks:
+                raise ValueError(f"block {b} out of range 0..{self.num_blocks - 1}")
+            if self.is_free(b):
+                raise ValueError(f"block {b} freed while not allocated")
+            start, order = b, 0
+            while order < self.max_order:  # merge with the buddy while it is a free chunk of our order
+                buddy = start ^ (1 << order)
+                if self._order_of.get(buddy) != order:
+                    break
+                self._remove(buddy)
+                start = min(start, buddy)
+                order += 1
+            self._add(start, order)
+            self.num_free += 1
+
+    # ---- internals --------------------------------------------------------------------------
+    def _add(self, start: int, order: int) -> None:
+        self._order_of[start] = order
+        self._counts[order] += 1
+        heap = self._heaps[order]
+        heapq.heappush(heap, start)
+        if len(heap) > 2 * self._counts[order] + 32:  # drop stale entries now and then
+            self._heaps[order] = [s for s in set(heap) if self._order_of.get(s) == order]
+            heapq.heapify(self._heaps[order])
+
+    def _remove(self, start: int) -> None:
+        order = self._order_of.pop(start)
+        self._counts[order] -= 1  # its heap entry goes stale and is skipped later
+
+    def _pop_min(self, order: int) -> int:
+        heap = self._heaps[order]
+        while True:
+            s = heapq.heappop(heap)
+            if self._order_of.get(s) == order:
+                self._remove(s)
+                return s
+
+    def _pick(self, min_order: int) -> tuple[int, int] | None:
+        """A free chunk of order >= min_order: the smallest order whose chunk is nobody's growth
+        slot (not right after an allocated block), else the smallest order at all."""
+        fallback: tuple[int, int] | None = None
+        for order in range(min_order, self.max_order + 1):
+            if not self._counts[order]:
+                continue
+            heap = self._heaps[order]
+            seen: list[int] = []
+            found = None
+            while heap and len(seen) < _SCAN:
+                s = heapq.heappop(heap)
+                if self._order_of.get(s) != order or s in seen:
+                    continue
+                seen.append(s)
+                if s == 0 or self.is_free(s - 1):
+                    found = s
+                    break
+            for s in seen:
+                heapq.heappush(heap, s)
+            if found is not None:
+                self._remove(found)
+                return found, order
+            if fallback is None and seen:
+                fallback = (seen[0], order)
+        if fallback is not None:
+            self._remove(fallback[0])
+        return fallback
+
+    def _carve(self, start: int, order: int, m: int) -> list[int]:
+        """The first m blocks of a removed chunk; the rest goes back as free buddies."""
+        out: list[int] = []
+        while m < (1 << order):
+            order -= 1
+            half = 1 << order
+            if m <= half:
+                self._add(start + half, order)
+            else:
+                out.extend(range(start, start + half))
+                start += half
+                m -= half
+        out.extend(range(start, start + (1 << order)))
+        return out
+
+    def _chunk_of(self, block: int) -> tuple[int, int] | None:
+        for order in range(self.max_order + 1):
+            start = block & ~((1 << order) - 1)
+            if self._order_of.get(start) == order:
+                return start, order
+        return None
+
+    def _take(self, block: int) -> None:
+        """Allocate one given free block, splitting its chunk around it (num_free untouched)."""
+        chunk = self._chunk_of(block)
+        assert chunk is not None
+        start, order = chunk
+        self._remove(start)
+        while order:
+            order -= 1
+            half = 1 << order
+            if block < start + half:
+                self._add(start + half, order)
+            else:
+                self._add(start, order)
+                start += half
