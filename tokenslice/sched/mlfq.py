@@ -43,6 +43,7 @@ class SkipJoinMLFQPolicy:
         self.level: dict[str, int] = {}
         self.budget: dict[str, float] = {}  # quantum left at the current level
         self.seq: dict[str, int] = {}  # placement order; a queue is ordered by it
+        self._computed: dict[str, int] = {}  # KV tokens at the last charge: what a step computed
         self._seq = itertools.count()
         self.last_run: dict[str, float] = {}  # last time the job ran (or arrived, or was promoted)
         self._starve_heap: list[tuple[float, int, str]] = []  # (last_run, tiebreak, id); lazy deletion
@@ -81,12 +82,23 @@ class SkipJoinMLFQPolicy:
         level = self._level_for(self.ctx.first_iteration_s(req.num_prompt_tokens)) if self.skip_join else 0
         self._place(req, level, self.quanta[level], now)
 
+    def _charge(self, req: Request, step_seconds: float) -> float:
+        """Quantum a job used in a step: its own iteration time, at most the step's (FastServe
+        §4.1 measures quanta in the job's iteration time). Charging the whole step would demote a
+        short decode for the long prefill that happened to share its batch."""
+        rid, computed = req.request_id, req.num_computed_tokens
+        last = self._computed.get(rid, 0)
+        new = computed - last if computed > last else computed  # dropped KV: rebuilt from zero
+        self._computed[rid] = computed
+        own = self.ctx.decode_s(req.num_tokens) if new == 1 else self.ctx.first_iteration_s(new)
+        return min(step_seconds, own)
+
     def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
         for req in ran:
             rid = req.request_id
             if rid not in self.level:
                 continue
-            left = self.budget[rid] - step_seconds
+            left = self.budget[rid] - self._charge(req, step_seconds)
             if left > 0:
                 self.budget[rid] = left
                 self._touch(rid, now)
@@ -116,6 +128,8 @@ class SkipJoinMLFQPolicy:
         k = len(durations)
         _, events, budgets = self._window(ran, durations, [r.num_tokens - k for r in ran])
         by_id = {r.request_id: r for r in ran}
+        for r in ran:
+            self._computed[r.request_id] = r.num_computed_tokens
         for j, _lvl, _key, rid, new_level in sorted(events, key=lambda e: e[:3]):
             self.num_demotions += 1
             self._place(by_id[rid], new_level, self.quanta[new_level], ends[j])
@@ -140,7 +154,8 @@ class SkipJoinMLFQPolicy:
                 continue
             level, left, key = self.level[rid], self.budget[rid], (self.seq[rid], ())
             for j in range(limit):
-                left -= durations[j]
+                # As _charge for a decode step, with the context the job has after step j.
+                left -= min(durations[j], self.ctx.decode_s(tokens + j + 1))
                 if left > 0:
                     continue
                 # Demoted at the end of step j, with the context it then has.
@@ -183,6 +198,7 @@ class SkipJoinMLFQPolicy:
             self.queues[level].pop(rid, None)
         self.budget.pop(rid, None)
         self.seq.pop(rid, None)
+        self._computed.pop(rid, None)
         self.last_run.pop(rid, None)
 
     def ranked(self, now: float) -> Iterable[Request]:
