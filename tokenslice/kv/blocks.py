@@ -13,13 +13,13 @@ class BlockPool:
     sits in few contiguous runs (FastSwitch); the default keeps the plain free list.
     """
 
-    def __init__(self, num_blocks: int, *, contiguous: bool = False) -> None:
+    def __init__(self, num_blocks: int, *, contiguous: bool = False, group_size: int = 16) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.contiguous = contiguous
         self._ref_counts = [0] * num_blocks
-        self._groups = BlockGroupAllocator(num_blocks) if contiguous else None
+        self._groups = BlockGroupAllocator(num_blocks, group_size) if contiguous else None
         # Pop from the end: low ids go first, which keeps early allocations contiguous.
         self._free = [] if contiguous else list(range(num_blocks - 1, -1, -1))
         self.peak_used = 0

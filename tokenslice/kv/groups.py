@@ -6,16 +6,15 @@ bandwidth, dominates fine-grained swapping. FastServe §4.2 swaps whole jobs pro
 is only cheap when those copies are large.
 
 Free space is kept as aligned power-of-two chunks (a buddy system over ids 0..num_blocks-1,
-any num_blocks): allocation carves from the smallest chunk that fits, freeing merges buddies
-back, so contiguous space is rebuilt as requests finish. Plain Python: no torch (DESIGN.md).
+any num_blocks): a new run is carved from a chunk of at least a group (room to grow in place),
+else from the smallest chunk that fits; a growing run first extends in place; freeing merges
+buddies back, so contiguous space is rebuilt as requests finish. Plain Python: no torch
+(DESIGN.md).
 """
 from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Sequence
-
-# Candidates looked at per order when avoiding another request's growth slot; bounds the cost.
-_SCAN = 8
 
 
 class OutOfBlocksError(RuntimeError):
@@ -54,12 +53,22 @@ def copy_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 
 class BlockGroupAllocator:
-    """Buddy allocator over block ids 0..num_blocks-1 (no reference counts: see BlockPool)."""
+    """Buddy allocator over block ids 0..num_blocks-1 (no reference counts: see BlockPool).
 
-    def __init__(self, num_blocks: int) -> None:
+    A new run starts in a free chunk of at least `group_size` blocks when there is one: the rest
+    of that group is the run's room to grow in place (FastSwitch block groups), so a decoding
+    request stays in few runs. Nothing is reserved: when only smaller chunks are left anyone
+    may take them, so capacity is that of a plain pool. group_size=1 is plain best-fit buddy.
+    """
+
+    def __init__(self, num_blocks: int, group_size: int = 16) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
         self.num_blocks = num_blocks
+        self.group_size = group_size
+        self._group_order = (group_size - 1).bit_length()  # a group is rounded up to a power of two
         self.max_order = max(num_blocks.bit_length() - 1, 0)
         self._order_of: dict[int, int] = {}  # start of each free chunk -> its order (the truth)
         # Per order a min-heap of chunk starts, lazily cleaned: low addresses first keeps
@@ -92,22 +101,26 @@ class BlockGroupAllocator:
         if n > self.num_free:
             raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
         out: list[int] = []
-        if after is not None:
-            b = after + 1
-            while len(out) < n and b < self.num_blocks and self.is_free(b):
-                self._take(b)
-                out.append(b)
-                b += 1
+        last = after
         while len(out) < n:
+            if last is not None:  # extend the current run in place while the next ids are free
+                b = last + 1
+                while len(out) < n and b < self.num_blocks and self.is_free(b):
+                    self._take(b)
+                    out.append(b)
+                    b += 1
+                if len(out) == n:
+                    break
             m = n - len(out)
             chunk = self._pick(max(m - 1, 0).bit_length())
             if chunk is not None:
                 out.extend(self._carve(chunk[0], chunk[1], m))
                 break
-            # Nothing fits whole: take the largest chunk and continue (greedy keeps runs few).
+            # Nothing fits whole: take the largest chunk, then extend it (greedy keeps runs few).
             order = max(o for o in range(self.max_order + 1) if self._counts[o])
             start = self._pop_min(order)
             out.extend(range(start, start + (1 << order)))
+            last = out[-1]
         self.num_free -= n
         return out
 
@@ -151,33 +164,13 @@ class BlockGroupAllocator:
                 return s
 
     def _pick(self, min_order: int) -> tuple[int, int] | None:
-        """A free chunk of order >= min_order: the smallest order whose chunk is nobody's growth
-        slot (not right after an allocated block), else the smallest order at all."""
-        fallback: tuple[int, int] | None = None
-        for order in range(min_order, self.max_order + 1):
-            if not self._counts[order]:
-                continue
-            heap = self._heaps[order]
-            seen: list[int] = []
-            found = None
-            while heap and len(seen) < _SCAN:
-                s = heapq.heappop(heap)
-                if self._order_of.get(s) != order or s in seen:
-                    continue
-                seen.append(s)
-                if s == 0 or self.is_free(s - 1):
-                    found = s
-                    break
-            for s in seen:
-                heapq.heappush(heap, s)
-            if found is not None:
-                self._remove(found)
-                return found, order
-            if fallback is None and seen:
-                fallback = (seen[0], order)
-        if fallback is not None:
-            self._remove(fallback[0])
-        return fallback
+        """Remove and return a free chunk of order >= min_order: preferably one of at least a
+        group, so the new run has room to grow in place, else the smallest that fits."""
+        for lo in (max(min_order, self._group_order), min_order):
+            for order in range(lo, self.max_order + 1):
+                if self._counts[order]:
+                    return self._pop_min(order), order
+        return None
 
     def _carve(self, start: int, order: int, m: int) -> list[int]:
         """The first m blocks of a removed chunk; the rest goes back as free buddies."""
