@@ -119,7 +119,7 @@ class SkipJoinMLFQPolicy:
             heapq.heappop(heap)  # drop stale entries so the top is a real deadline
         if heap:
             limit = min(limit, bisect.bisect_left(ends, heap[0][0] + self.starvation_limit) + 1)
-        limit, _, _ = self._window(ran, durations[:limit], [r.num_tokens for r in ran])
+        limit, _, _ = self._window(ran, durations[:limit], [r.num_tokens for r in ran], exact_budgets=False)
         return max(1, limit)
 
     def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
@@ -139,23 +139,30 @@ class SkipJoinMLFQPolicy:
         self._promote_starving(ends[-1])
 
     def _window(self, ran: list[Request], durations: list[float], tokens_before: list[int],
-                ) -> tuple[int, list[tuple], dict[str, float]]:
+                exact_budgets: bool = True) -> tuple[int, list[tuple], dict[str, float]]:
         """Replay the batch's quantum accounting over `durations` (same subtraction order as
         step by step). Returns the steps it may run, its demotions (step, old level, queue key,
-        id, new level) and the budgets left at the end."""
+        id, new level) and the budgets left at the end (only when `exact_budgets`)."""
         limit = len(durations)
         ran_ids = {r.request_id for r in ran if r.request_id in self.level}
         best_waiting = self._best_waiting_level(ran_ids)
         events: list[tuple] = []
         budgets: dict[str, float] = {}
+        # A job charges at most the step time, so one whose budget exceeds the whole window's
+        # cannot be demoted in it; only its final budget needs the exact replay.
+        window_s = sum(durations) * (1 + 1e-9)
+        decode_s, cache = self.ctx.decode_s, self.ctx._decode_cache
         for req, tokens in zip(ran, tokens_before, strict=True):
             rid = req.request_id
             if rid not in ran_ids:
                 continue
             level, left, key = self.level[rid], self.budget[rid], (self.seq[rid], ())
+            if not exact_budgets and left > window_s:
+                continue
             for j in range(limit):
                 # As _charge for a decode step, with the context the job has after step j.
-                left -= min(durations[j], self.ctx.decode_s(tokens + j + 1))
+                own = cache.get(tokens + j + 1)
+                left -= min(durations[j], own if own is not None else decode_s(tokens + j + 1))
                 if left > 0:
                     continue
                 # Demoted at the end of step j, with the context it then has.

@@ -1,7 +1,7 @@
 """The Policy protocol (DESIGN.md, Core types) and the registry of policies by name."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -19,6 +19,8 @@ class PolicyContext:
 
     config: SchedulerConfig
     cost: CostModel | None = None
+    # decode_s is asked for every running job at every step; contexts repeat, so memoize.
+    _decode_cache: dict[int, float] = field(default_factory=dict, repr=False)
 
     @property
     def max_batch_size(self) -> int:
@@ -34,7 +36,11 @@ class PolicyContext:
 
     def decode_s(self, context: int) -> float:
         """One decode iteration of one request at this context (its share of a step)."""
-        return self.cost.decode_seconds(1, context) if self.cost else DEFAULT_ITERATION_S
+        t = self._decode_cache.get(context)
+        if t is None:
+            t = self.cost.decode_seconds(1, context) if self.cost else DEFAULT_ITERATION_S
+            self._decode_cache[context] = t
+        return t
 
     def slo_normalized_latency(self) -> float:
         """The SLO the operator gave, or the paper protocol's 10x the decode iteration time."""
