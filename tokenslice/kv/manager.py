@@ -144,19 +144,7 @@ class KVManager:
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]]:
         """Move the request's KV to host; returns (device block, host block) pairs in table order."""
-        table = self._tables.get(request_id)
-        if not table:
-            raise ValueError(f"swap_out({request_id!r}): no KV on device (residency {self.residency(request_id)})")
-        if self._moved(request_id):
-            raise ValueError(f"swap_out({request_id!r}): already moved in this transfer window")
-        if len(table) > self.host.num_free:
-            raise OutOfBlocksError(f"swap_out({request_id!r}) needs {len(table)} host blocks, "
-                                   f"{self.host.num_free} free; check can_swap_out first")
-        dst = self.host.allocate(len(table))
-        del self._tables[request_id]
-        self._host_tables[request_id] = dst
-        self._release_source(request_id, self.device, table)
-        return list(zip(table, dst))
+        return self._move("swap_out", request_id, self._tables, self.device, self._host_tables, self.host)
 
     def can_swap_in(self, request_id: str) -> bool:
         table = self._host_tables.get(request_id)
@@ -164,19 +152,27 @@ class KVManager:
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]]:
         """Move the request's KV back to device; returns (host block, device block) pairs in table order."""
-        table = self._host_tables.get(request_id)
+        return self._move("swap_in", request_id, self._host_tables, self.host, self._tables, self.device)
+
+    def _move(self, op: str, request_id: str, src_tables: dict[str, list[int]], src: BlockPool,
+              dst_tables: dict[str, list[int]], dst: BlockPool) -> list[tuple[int, int]]:
+        """One swap, either way: allocate on the destination tier, retarget the table, release
+        the source (now or at end_transfer); returns (source block, destination block) pairs."""
+        table = src_tables.get(request_id)
+        where = "device" if src is self.device else "host"
         if not table:
-            raise ValueError(f"swap_in({request_id!r}): no KV on host (residency {self.residency(request_id)})")
+            raise ValueError(f"{op}({request_id!r}): no KV on {where} (residency {self.residency(request_id)})")
         if self._moved(request_id):
-            raise ValueError(f"swap_in({request_id!r}): already moved in this transfer window")
-        if len(table) > self.device.num_free:
-            raise OutOfBlocksError(f"swap_in({request_id!r}) needs {len(table)} device blocks, "
-                                   f"{self.device.num_free} free; check can_swap_in first")
-        dst = self.device.allocate(len(table))
-        del self._host_tables[request_id]
-        self._tables[request_id] = dst
-        self._release_source(request_id, self.host, table)
-        return list(zip(table, dst))
+            raise ValueError(f"{op}({request_id!r}): already moved in this transfer window")
+        if len(table) > dst.num_free:
+            other = "host" if where == "device" else "device"
+            raise OutOfBlocksError(f"{op}({request_id!r}) needs {len(table)} {other} blocks, "
+                                   f"{dst.num_free} free; check can_{op} first")
+        new = dst.allocate(len(table))
+        del src_tables[request_id]
+        dst_tables[request_id] = new
+        self._release_source(request_id, src, table)
+        return list(zip(table, new))
 
     def _moved(self, request_id: str) -> bool:
         t = self._transfers.get(request_id)
