@@ -157,6 +157,18 @@ def compact(results: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def save_figure(fig: Any, name: str, dpi: int = 110) -> str:
+    """Write a matplotlib figure under benchmarks/figures/, close it, return its path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    FIGURES.mkdir(parents=True, exist_ok=True)
+    out = FIGURES / name
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return str(out)
+
+
 def write_json(name: str, data: Any) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from sched_common import CACHE, CLI_DATASET, COST, FIGURES, PROFILE, code_version, compact, fmt, log, make_spec, \
+from sched_common import CACHE, CLI_DATASET, COST, save_figure, PROFILE, code_version, compact, fmt, log, make_spec, \
     md_table, read_json, seed_mean, verdict, write_json
 from tokenslice.bench.simulate import run_sweep
 from tokenslice.sched.mlfq import QUANTUM_SLACK
@@ -271,12 +271,7 @@ def plot(all_res: Mapping[str, Mapping[str, Any]], n: int) -> str:
     axes[1].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=4)
     fig.suptitle(f"cf. FastServe Fig. 14: ShareGPT rescaled, Poisson at rho={LOAD} of fcfs saturation per ratio, "
                  f"N={n}, seeds 0,1 ({PROFILE}, batch 16)", fontsize=9)
-    fig.tight_layout()
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    out = FIGURES / "sched_io_ratio_fig14.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out)
+    return save_figure(fig, "sched_io_ratio_fig14.png")
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from sched_common import ALL_POLICIES, CLI_DATASET, FIGURES, PROFILE, Runner, code_version, fmt, log, make_spec, \
+from sched_common import ALL_POLICIES, CLI_DATASET, save_figure, PROFILE, Runner, code_version, fmt, log, make_spec, \
     max_rate, md_table, read_json, verdict, write_json
 
 SEEDS = [0, 1]
@@ -224,12 +224,7 @@ def plot_fig11(res: Mapping[str, Any], n: int) -> str:
                  f"{PROFILE}, batch 16, ample KV", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    out = FIGURES / f"sched_paper_fig11_n{n}.png"
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return str(out)
+    return save_figure(fig, f"sched_paper_fig11_n{n}.png", dpi=120)
 
 
 def plot_vs_n(all_res: Mapping[int, Mapping[str, Any]]) -> str:
@@ -269,12 +264,7 @@ def plot_vs_n(all_res: Mapping[int, Mapping[str, Any]]) -> str:
     ax.set_title("Max-rate ratio vs N", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    out = FIGURES / "sched_paper_vs_n.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out)
+    return save_figure(fig, "sched_paper_vs_n.png")
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from sched_common import ALL_POLICIES, CACHE, CLI_DATASET, COST, FIGURES, PROFILE, code_version, compact, fmt, \
+from sched_common import ALL_POLICIES, CACHE, CLI_DATASET, COST, save_figure, PROFILE, code_version, compact, fmt, \
     log, make_spec, md_table, read_json, seed_mean, verdict, write_json
 from tokenslice.bench.simulate import run_sweep, sweep_size
 
@@ -184,12 +184,7 @@ def plot_grid(results: Mapping[str, Mapping[str, Any]], n: int) -> str | None:
             if i == len(metrics) - 1:
                 ax.set_xlabel("load rho (fraction of fcfs saturation)")
     fig.suptitle(f"Steady-state protocol on the simulator ({PROFILE}, batch 16, ample KV)", fontsize=10)
-    fig.tight_layout()
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    out = FIGURES / "sched_steady_grid.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out)
+    return save_figure(fig, "sched_steady_grid.png")
 
 
 def plot_cells(results: Mapping[str, Mapping[str, Any]], n: int) -> str | None:
@@ -234,12 +229,7 @@ def plot_cells(results: Mapping[str, Mapping[str, Any]], n: int) -> str | None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"Steady-state cells, all six policies, N={n}, seeds 0,1 ({PROFILE}, batch 16)", fontsize=10)
-    fig.tight_layout()
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    out = FIGURES / "sched_steady_cells.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out)
+    return save_figure(fig, "sched_steady_cells.png")
 
 
 def main() -> None:
