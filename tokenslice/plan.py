@@ -5,6 +5,7 @@ Plain data so that any executor (local, distributed, simulated) can take it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from tokenslice.request import SamplingParams
 
@@ -28,11 +29,26 @@ class SeqSlice:
 
 
 @dataclass
+class BlockTransfer:
+    """One request's KV moving between tiers in the background, overlapping compute
+    (FastServe §4.2 proactive offload/upload, FastSwitch async swap-in). The request is not
+    scheduled, and its source and destination blocks are not reallocated, until the executor
+    reports the request id in StepResult.transfers_done."""
+
+    request_id: str
+    direction: Literal["out", "in"]  # out: device -> host; in: host -> device
+    pairs: list[tuple[int, int]]  # (source block, destination block), in block-table order
+
+
+@dataclass
 class StepPlan:
     prefill: list[SeqSlice] = field(default_factory=list)
     decode: list[SeqSlice] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    # swap_out / swap_in run before this step's compute, in that order (critical path);
+    # async_transfers start now and complete in a later StepResult.transfers_done.
+    async_transfers: list[BlockTransfer] = field(default_factory=list)
     drop: list[str] = field(default_factory=list)  # requests whose KV was discarded (recompute)
     finished: list[str] = field(default_factory=list)  # executor may forget per-request state
 
@@ -52,5 +68,8 @@ class StepPlan:
 @dataclass
 class StepResult:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    step_seconds: float = 0.0
-    transfer_seconds: float = 0.0
+    step_seconds: float = 0.0  # the whole step, synchronous transfers and waiting included
+    transfer_seconds: float = 0.0  # of step_seconds: synchronous swap copies (critical path)
+    # Async transfers (of this or earlier plans) that completed; an empty plan with transfers
+    # in flight waits for at least one, so the engine never spins.
+    transfers_done: list[str] = field(default_factory=list)
