@@ -144,7 +144,11 @@ def test_swap_round_trip() -> None:
         kv.ensure("a", 9)
     back = kv.swap_in("a")
     assert [h for h, _ in back] == [h for _, h in pairs] and [d for _, d in back] == kv.block_table("a")
-    assert kv.residency("a") == "device" and kv.is_ready("a") and kv.num_free_host_blocks == 6
+    # The sources stay held until the plan is built (a same-plan swap-out must not reuse them).
+    assert kv.residency("a") == "device" and kv.is_ready("a") and kv.num_free_host_blocks == 2
+    kv.check()
+    kv.end_plan()
+    assert kv.num_free_host_blocks == 6
     kv.swap_out("a")
     assert kv.free("a") == 4 and kv.num_free_host_blocks == 6 and kv.residency("a") == "none"
     kv.check()
@@ -286,7 +290,11 @@ class KVLifecycle(RuleBasedStateMachine):
         table, free_host = list(kv.host_blocks(rid)), kv.num_free_host_blocks
         pairs = kv.swap_in(rid)
         assert [h for h, _ in pairs] == table and [d for _, d in pairs] == kv.block_table(rid)
-        assert kv.num_free_host_blocks == free_host + (0 if rid in self.window else n)
+        assert kv.num_free_host_blocks == free_host  # held by the window, or until the plan is built
+        if rid not in self.window:
+            kv.check()
+            kv.end_plan()
+            assert kv.num_free_host_blocks == free_host + n
         self.where[rid] = "device"
         if rid in self.window:
             self.window[rid] = True

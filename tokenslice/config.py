@@ -21,8 +21,11 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_blocks: int | None = None  # explicit pool size wins over the memory fraction
     kv_memory_fraction: float = 0.25  # of free device memory (or of host RAM on CPU)
-    swap_space_gb: float = 0.0
-    offload_dtype: str = "auto"  # auto | int8
+    # Host tier for swapped-out KV (allocated only in the swap preemption modes); an explicit
+    # host_kv_blocks wins over the size in GiB.
+    swap_space_gb: float = 4.0
+    host_kv_blocks: int | None = None
+    offload_dtype: str = "auto"  # auto | int8 (ALISE §3.2: per-channel int8 on host)
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -31,6 +34,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
         if not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.swap_space_gb < 0:
+            raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
+        if self.host_kv_blocks is not None and self.host_kv_blocks < 0:
+            raise ValueError(f"host_kv_blocks must be >= 0, got {self.host_kv_blocks}")
         if self.offload_dtype not in ("auto", "int8"):
             raise ValueError(f"offload_dtype must be auto or int8, got {self.offload_dtype!r}")
 
@@ -48,6 +55,10 @@ class SchedulerConfig:
     # latency SLO (see sched/mlfq.py).
     starvation_limit_s: float | None = None
     slo_normalized_latency: float | None = None  # s/token; informs the starvation default
+    # proactive-swap burst reserve (FastServe §4.2): keep free device blocks for
+    # max(K new jobs, jobs of the top K' queues not on device).
+    burst_reserve_jobs: int = 2  # K
+    burst_reserve_queues: int = 1  # K'
 
     def validate(self) -> None:
         if self.mlfq_quantum_ratio <= 1.0:
@@ -60,6 +71,9 @@ class SchedulerConfig:
             raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.burst_reserve_jobs < 0 or self.burst_reserve_queues < 0:
+            raise ValueError("burst_reserve_jobs and burst_reserve_queues must be >= 0, got "
+                             f"{self.burst_reserve_jobs} and {self.burst_reserve_queues}")
         if self.max_tokens_per_step < 1:
             raise ValueError(f"max_tokens_per_step must be >= 1, got {self.max_tokens_per_step}")
 

@@ -65,8 +65,12 @@ class RequestMetrics:
     attained_service_s: float = 0.0  # execution seconds of steps the request ran in
     iterations: int = 0
     preemptions: int = 0
-    swaps: int = 0
+    swaps: int = 0  # moves of its KV between tiers, either way
     recomputed_tokens: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    swap_ops: int = 0  # copy operations (contiguous runs) of its swaps
+    swap_stall_s: float = 0.0  # time it would have run but waited for its KV (transfers)
 
     @property
     def ttft(self) -> float | None:

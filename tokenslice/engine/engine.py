@@ -97,14 +97,20 @@ class Engine:
 
     @classmethod
     def simulated(cls, config: SchedulerConfig, cost: CostModel, *, kv_cache_blocks: int,
-                  block_size: int = 16, max_model_len: int = 1 << 30) -> Engine:
+                  block_size: int = 16, max_model_len: int = 1 << 30, host_kv_blocks: int = 0,
+                  offload_dtype: str = "auto") -> Engine:
         """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
-        iteration times from the cost model instead of a model."""
-        from tokenslice.exec.sim import SimulatedExecutor
+        iteration times (and swap copy times) from the cost model instead of a model."""
+        from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
 
-        kv = KVManager(block_size, kv_cache_blocks)
+        swapping = config.preemption in ("reactive-swap", "proactive-swap")
+        kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0, contiguous=swapping)
         policy = make_policy(config.policy, PolicyContext(config, cost))
-        engine = cls(Scheduler(config, policy, kv), SimulatedExecutor(cost), tokenizer=None, clock=VirtualClock(),
+        clock = VirtualClock()
+        block_bytes = offload_block_bytes(block_size, cost.kv_bytes_per_token, offload_dtype)
+        scheduler = Scheduler(config, policy, kv)
+        scheduler.swap_block_bytes = block_bytes
+        engine = cls(scheduler, SimulatedExecutor(cost, clock, block_bytes), tokenizer=None, clock=clock,
                      max_model_len=max_model_len, vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name)
         engine.fast_forward = True
         return engine

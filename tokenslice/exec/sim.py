@@ -2,21 +2,56 @@
 
 Sampled tokens are a placeholder id: simulated requests end by their max_tokens (the
 trace's output length), as serving papers replay datasets.
+
+KV swaps cost bytes / host-link bandwidth plus a per-copy overhead (one copy per contiguous
+run of blocks). Synchronous swaps add to the step; asynchronous ones queue on the link, one
+channel per direction (the link is full duplex), and overlap compute.
 """
 from __future__ import annotations
 
+import heapq
+from typing import Protocol
+
+from tokenslice.kv.groups import copy_runs
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import BatchShape, CostModel
 from tokenslice.request import Request
 
 PLACEHOLDER_TOKEN = 0
+# Offloaded KV in int8 (ALISE §3.2): one byte per value plus an fp16 scale and zero point per
+# channel per block, against two bytes per value in fp16.
+SCALE_ZERO_BYTES = 4
+
+
+def offload_block_bytes(block_size: int, kv_bytes_per_token: int, offload_dtype: str = "auto",
+                        value_bytes: int = 2) -> int:
+    """Bytes one KV block occupies on host (and moves over the link)."""
+    full = block_size * kv_bytes_per_token
+    if offload_dtype != "int8":
+        return full
+    channels = kv_bytes_per_token // value_bytes  # values per token = channels of a block
+    return channels * (block_size + SCALE_ZERO_BYTES)
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
 
 
 class SimulatedExecutor:
     token = PLACEHOLDER_TOKEN
 
-    def __init__(self, cost: CostModel) -> None:
+    def __init__(self, cost: CostModel, clock: Clock | None = None, block_bytes: int = 0) -> None:
         self.cost = cost
+        self.clock = clock
+        self.block_bytes = block_bytes  # one block as moved over the host link
+        self._link_free = {"out": 0.0, "in": 0.0}  # when each direction's channel is idle
+        self._pending: list[tuple[float, int, str]] = []  # (done time, order, request id)
+        self._order = 0
+
+    def copy_seconds(self, pairs: list[tuple[int, int]]) -> float:
+        if not pairs:
+            return 0.0
+        return self.cost.transfer_seconds(len(pairs) * self.block_bytes, len(copy_runs(pairs)))
 
     def repeat_decode_times(self, reqs: list[Request], k: int, now: float,
                             first_step: int = 0) -> tuple[list[float], list[float]]:
@@ -40,7 +75,23 @@ class SimulatedExecutor:
                                        decode=[s.start_pos + 1 for s in plan.decode])
 
     def execute(self, plan: StepPlan) -> StepResult:
-        if plan.is_empty:
-            return StepResult()
+        t0 = self.clock.now() if self.clock is not None else 0.0
+        out_s, in_s = self.copy_seconds(plan.swap_out), self.copy_seconds(plan.swap_in)
+        sync_s = out_s + in_s  # swap-ins may land in blocks the swap-outs free: one after the other
+        for direction, d in (("out", out_s), ("in", in_s)):
+            if d:
+                self._link_free[direction] = max(self._link_free[direction], t0) + d
+        for t in plan.async_transfers:
+            start = max(t0 + sync_s, self._link_free[t.direction])
+            done = start + self.copy_seconds(t.pairs)
+            self._link_free[t.direction] = done
+            heapq.heappush(self._pending, (done, self._order, t.request_id))
+            self._order += 1
         sampled = {s.request_id: PLACEHOLDER_TOKEN for s in plan.slices if s.sample}
-        return StepResult(sampled=sampled, step_seconds=self.cost.iteration_seconds(self.shape(plan)))
+        step = sync_s + (0.0 if plan.is_empty else self.cost.iteration_seconds(self.shape(plan)))
+        if step == 0.0 and self._pending:  # nothing to compute: wait for the next copy
+            step = max(0.0, self._pending[0][0] - t0)
+        done_ids = []
+        while self._pending and self._pending[0][0] <= t0 + step:
+            done_ids.append(heapq.heappop(self._pending)[2])
+        return StepResult(sampled=sampled, step_seconds=step, transfer_seconds=sync_s, transfers_done=done_ids)

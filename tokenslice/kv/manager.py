@@ -10,9 +10,9 @@ Transfer contract
 * Synchronous move (no window open): `swap_out` / `swap_in` free the source blocks at once, so
   later allocations of the same plan may reuse them. Safe because the executor performs the
   plan's copies in plan order (swap_out, then swap_in) before the step's compute: a reused
-  block is read before it is written. The scheduler therefore plans a step's swap-outs before
-  its swap-ins (a host block freed by a swap-in must not become a swap-out destination of the
-  same plan, since that copy would run first).
+  block is read before it is written. The one unsafe reuse, a host block freed by a swap-in
+  becoming a swap-out destination of the same plan (that copy runs first), is prevented by
+  holding swap-in sources until `end_plan()`, which the scheduler calls once a plan is built.
 * Asynchronous move (FastServe §4.2 proactive offload, FastSwitch async swap-in):
   `begin_transfer(r)`, then at most one `swap_out(r)` or `swap_in(r)`, then `end_transfer(r)`
   once the executor reports the copy done. Inside the window the source blocks stay reserved
@@ -54,6 +54,7 @@ class KVManager:
         self._tables: dict[str, list[int]] = {}  # device blocks per request (never empty)
         self._host_tables: dict[str, list[int]] = {}  # host blocks per request (never empty)
         self._transfers: dict[str, _Transfer] = {}
+        self._plan_held_host: list[int] = []  # sources of this plan's sync swap-ins (end_plan frees)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -181,7 +182,10 @@ class KVManager:
     def _release_source(self, request_id: str, pool: BlockPool, blocks: list[int]) -> None:
         t = self._transfers.get(request_id)
         if t is None:  # synchronous move: copied before anything of this plan writes them
-            pool.free(blocks)
+            if pool is self.host:
+                self._plan_held_host.extend(blocks)
+            else:
+                pool.free(blocks)
             return
         t.moved = True
         (t.held_device if pool is self.device else t.held_host).extend(blocks)
@@ -206,8 +210,22 @@ class KVManager:
             self.host.free(t.held_host)
         return len(t.held_device) + len(t.held_host)
 
+    def end_plan(self) -> None:
+        """The plan is built: release host blocks its sync swap-ins read (see the contract)."""
+        if self._plan_held_host:
+            self.host.free(self._plan_held_host)
+            self._plan_held_host = []
+
     def in_flight(self, request_id: str) -> bool:
         return request_id in self._transfers
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._transfers)
+
+    def device_blocks_releasing(self) -> int:
+        """Device blocks that open windows will free at end_transfer (offloads in flight)."""
+        return sum(len(t.held_device) for t in self._transfers.values())
 
     def is_ready(self, request_id: str) -> bool:
         """May run now: no transfer in flight and no KV left on host (device-resident, or
@@ -231,6 +249,8 @@ class KVManager:
                                         ("host", self.host, self._host_tables, 1)):
             owned = [b for t in tables.values() for b in t]
             owned += [b for held in self.held().values() for b in held[idx]]
+            if idx == 1:
+                owned += self._plan_held_host
             if len(owned) != len(set(owned)):
                 raise AssertionError(f"{name}: a block is owned twice")
             if len(owned) != pool.num_used:

@@ -212,6 +212,10 @@ class SkipJoinMLFQPolicy:
         self._promote_starving(now)
         return itertools.chain.from_iterable(q.values() for q in self.queues if q)
 
+    def top_queue_jobs(self, k: int) -> Iterable[Request]:
+        """Jobs of the top k queues (FastServe §4.2 burst reserve counts them)."""
+        return itertools.chain.from_iterable(q.values() for q in self.queues[:k])
+
     def next_run_estimate(self, req: Request, now: float) -> float:
         """FastServe §4.2 ENST: the sooner of promotion and the drain of higher-priority work."""
         return self.next_run_estimates(now).get(req.request_id, 0.0)

@@ -3,8 +3,9 @@ and returns a StepPlan; after the step it records tokens and finishes requests (
 from __future__ import annotations
 
 from tokenslice.config import SchedulerConfig
+from tokenslice.kv.groups import copy_runs
 from tokenslice.kv.manager import KVManager
-from tokenslice.plan import SeqSlice, StepPlan, StepResult
+from tokenslice.plan import BlockTransfer, SeqSlice, StepPlan, StepResult
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy
 
@@ -19,14 +20,26 @@ class Scheduler:
         self._released: list[str] = []  # finished since the last plan; the executor may forget them
         self._finished: list[Request] = []  # finished since the engine last asked
         self._running: set[str] = set()  # chosen by the last plan
+        self._stalled: list[Request] = []  # chosen by rank but waiting for their KV this step
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
+        # Swapping (issue: KV memory under preemption); bytes as moved over the host link.
+        self.swap_block_bytes = 0  # set by the engine: one block in its host format
+        self.swap_out_bytes = 0
+        self.swap_in_bytes = 0
+        self.num_swap_ops = 0
+        self.num_swap_fallbacks = 0  # evictions that recomputed because host space ran out
+        self._reserve = 0  # the last burst reserve (proactive-swap)
+        self._prompt_tokens = 0  # arrivals' prompt tokens, for the burst reserve's job size
+        self._num_arrivals = 0
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already live")
         self.requests[req.request_id] = req
+        self._prompt_tokens += req.num_prompt_tokens
+        self._num_arrivals += 1
         self.policy.on_arrival(req, now)
 
     def abort(self, request_id: str, now: float) -> Request | None:
@@ -48,53 +61,79 @@ class Scheduler:
         return sum(1 for r in self.requests.values() if r.state is RequestState.WAITING)
 
     @property
+    def num_swapped(self) -> int:
+        return sum(1 for rid in self.requests if self.kv.residency(rid) == "host")
+
+    @property
     def num_preempted(self) -> int:
         return sum(1 for r in self.requests.values() if r.state is RequestState.PREEMPTED)
 
     # ---- planning ---------------------------------------------------------------------------
+    @property
+    def swapping(self) -> bool:
+        return self.config.preemption in ("reactive-swap", "proactive-swap")
+
     def schedule(self, now: float) -> StepPlan:
         cfg = self.config
         kv = self.kv
         plan = StepPlan(finished=self._released)
         self._released = []
+        proactive = cfg.preemption == "proactive-swap"
         ranked = self.policy.ranked(now)
         it = iter(ranked)
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
         budget = cfg.max_tokens_per_step
         chosen: set[str] = set()
         dropped: set[str] = set()
+        stalled: list[Request] = []  # would run now but their KV is in flight or on host
         admission_blocked = False  # a new request is waiting for memory: no newer one may jump it
         while len(chosen) < cfg.max_batch_size and budget > 0:
             req = next(it, None)  # `it` is rebound when the rest of the order is materialized
             if req is None:
                 break
             seen.append(req)
+            rid = req.request_id
+            if kv.in_flight(rid):  # never scheduled until its copy completes
+                stalled.append(req)
+                continue
             computed = req.num_computed_tokens
             holds_kv = computed > 0
-            if (admission_blocked and not holds_kv) or req.request_id in dropped:
+            if (admission_blocked and not holds_kv) or rid in dropped:
                 continue
+            on_host = kv.residency(rid) == "host"
             total = len(req.prompt_token_ids) + len(req.output_token_ids)
             chunk = min(total - computed, budget)
-            need = kv.blocks_needed(req.request_id, computed + chunk)
+            need = kv.blocks_for_tokens(computed + chunk) if on_host else kv.blocks_needed(rid, computed + chunk)
             if need > kv.device.num_free:
                 lower = list(it)  # everything not yet walked is lower-ranked
                 it = iter(lower)
                 if not self._make_room(need, lower, chosen, holds_kv, plan, dropped):
                     if not holds_kv:
                         admission_blocked = True
+                    if on_host:
+                        stalled.append(req)
                     continue
-            kv.ensure(req.request_id, computed + chunk)
-            chosen.add(req.request_id)
+            if on_host:
+                if proactive:  # upload overlapping this step's compute; it runs next step
+                    self._move(req, "in", plan, sync=False)
+                    stalled.append(req)
+                    continue
+                self._move(req, "in", plan, sync=True)  # reactive: in the critical path
+            kv.ensure(rid, computed + chunk)
+            chosen.add(rid)
             budget -= chunk
-            s = SeqSlice(req.request_id, req.token_ids(computed, computed + chunk), computed,
-                         kv.block_table(req.request_id), computed + chunk == total,
+            s = SeqSlice(rid, req.token_ids(computed, computed + chunk), computed,
+                         kv.block_table(rid), computed + chunk == total,
                          req.params, len(req.output_token_ids), req.eos_token_id)
             (plan.decode if chunk == 1 else plan.prefill).append(s)
             if req.state is not RequestState.RUNNING:
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = now
                 req.state = RequestState.RUNNING
-        if not chosen and self.requests:
+        if proactive:
+            self._proactive_swaps(now, chosen, plan)
+        kv.end_plan()
+        if not chosen and self.requests and not stalled and not kv.num_in_flight:
             self._resolve_stall(seen + list(it), now)
         for rid in self._running - chosen:
             req = self.requests.get(rid)
@@ -103,27 +142,66 @@ class Scheduler:
                 req.metrics.preemptions += 1
                 self.num_preemptions += 1
         self._running = chosen
+        self._stalled = stalled
         return plan
 
     def _make_room(self, need: int, lower: list[Request], chosen: set[str], holds_kv: bool,
                    plan: StepPlan, dropped: set[str]) -> bool:
-        """Free device blocks by dropping lower-ranked requests' KV (they recompute later).
+        """Free device blocks by evicting lower-ranked requests' KV, lowest first: swapped out
+        to host in the swap modes (when host has room), else dropped to recompute later.
 
         Under `defer` only a request that already holds KV may evict (it must progress, or the
         pool deadlocks); new work waits instead.
         """
         if self.config.preemption == "defer" and not holds_kv:
             return False
-        victims = [r for r in reversed(lower) if r.request_id not in chosen and self.kv.holds(r.request_id)]
-        freeable = self.kv.num_free_device_blocks + sum(self.kv.num_device_blocks(r.request_id) for r in victims)
+        kv = self.kv
+        victims = [r for r in reversed(lower) if r.request_id not in chosen and kv.holds(r.request_id)
+                   and not kv.in_flight(r.request_id)]
+        freeable = kv.num_free_device_blocks + sum(kv.num_device_blocks(r.request_id) for r in victims)
         if freeable < need:
             return False
         for victim in victims:
-            if self.kv.num_free_device_blocks >= need:
+            if kv.num_free_device_blocks >= need:
                 break
-            self._drop_kv(victim, plan)
-            dropped.add(victim.request_id)
+            if self.swapping and kv.can_swap_out(victim.request_id):
+                self._move(victim, "out", plan, sync=True)
+            else:
+                if self.swapping:
+                    self.num_swap_fallbacks += 1  # host full: recompute instead, never an error
+                self._drop_kv(victim, plan)
+                dropped.add(victim.request_id)
         return True
+
+    def _move(self, req: Request, direction: str, plan: StepPlan, *, sync: bool) -> None:
+        """Swap a request's KV out to host or in to device; sync copies run before this step's
+        compute, async ones overlap it (the request waits for transfers_done)."""
+        kv = self.kv
+        rid = req.request_id
+        if not sync:
+            kv.begin_transfer(rid)
+        pairs = kv.swap_out(rid) if direction == "out" else kv.swap_in(rid)
+        if sync:
+            (plan.swap_out if direction == "out" else plan.swap_in).extend(pairs)
+        else:
+            plan.async_transfers.append(BlockTransfer(rid, direction, pairs))  # type: ignore[arg-type]
+        nbytes = len(pairs) * self.swap_block_bytes
+        ops = len(copy_runs(pairs))
+        m = req.metrics
+        m.swaps += 1
+        m.swap_ops += ops
+        self.num_swap_ops += ops
+        if direction == "out":
+            m.swap_out_bytes += nbytes
+            self.swap_out_bytes += nbytes
+            if req.state is RequestState.RUNNING:
+                req.state = RequestState.PREEMPTED
+                req.metrics.preemptions += 1
+                self.num_preemptions += 1
+                self._running.discard(rid)
+        else:
+            m.swap_in_bytes += nbytes
+            self.swap_in_bytes += nbytes
 
     def _drop_kv(self, req: Request, plan: StepPlan) -> None:
         self.kv.free(req.request_id)
@@ -137,19 +215,76 @@ class Scheduler:
         req.state = RequestState.WAITING
         plan.drop.append(req.request_id)
 
-    def _resolve_stall(self, ranked: list[Request], now: float) -> None:
-        """Nothing could run: one request holds the whole pool and cannot grow (two holders
-        would let the higher evict the lower). Stop it rather than spin; its text so far goes
-        back to the client with finish_reason 'length'."""
-        holders = [r for r in ranked if self.kv.holds(r.request_id)]
-        if len(holders) <= 1:
-            self._finish(holders[0] if holders else ranked[0], "length", now, RequestState.FINISHED)
+    # ---- proactive swapping (FastServe §4.2) ------------------------------------------------
+    def burst_reserve_blocks(self) -> int:
+        """Free device blocks to keep for a burst: max(K new jobs, jobs of the top K' queues
+        not on device), a job sized by the mean prompt seen so far; at most a quarter of the
+        pool, so the reserve never starves the running batch."""
+        cfg = self.config
+        jobs = cfg.burst_reserve_jobs
+        top = getattr(self.policy, "top_queue_jobs", None)
+        if top is not None and cfg.burst_reserve_queues > 0:
+            kv = self.kv
+            waiting = sum(1 for r in top(cfg.burst_reserve_queues) if not kv.holds(r.request_id))
+            jobs = max(jobs, waiting)
+        per_job = self.kv.blocks_for_tokens(self._prompt_tokens // max(1, self._num_arrivals) + 1)
+        return min(jobs * per_job, self.kv.device.num_blocks // 4)
+
+    def _next_run_estimates(self, now: float) -> dict[str, float]:
+        """ENST (FastServe) / EWT (ALISE) per live request; rank position when the policy has
+        no time estimate (the order is what matters for swapping)."""
+        batch = getattr(self.policy, "next_run_estimates", None)
+        if batch is not None:
+            return batch(now)
+        return {r.request_id: float(i) for i, r in enumerate(self.policy.ranked(now))}
+
+    def _proactive_swaps(self, now: float, chosen: set[str], plan: StepPlan) -> None:
+        """Keep the burst reserve free by offloading the idle jobs that will run last (largest
+        ENST first), and upload host jobs that will run soonest (smallest ENST first) into
+        free space above the reserve, so their copies overlap compute. A job moves at most once
+        per transfer window, so it is never thrashed in and out in one step."""
+        kv = self.kv
+        target = self.burst_reserve_blocks()
+        self._reserve = target
+        free = kv.device.num_free + kv.device_blocks_releasing()
+        reqs = self.requests
+        idle = [r for rid, r in reqs.items() if rid not in chosen and kv.holds(rid) and not kv.in_flight(rid)]
+        on_host = [r for rid, r in reqs.items() if not kv.in_flight(rid) and kv.residency(rid) == "host"]
+        if not (free < target and idle) and not on_host:
+            return
+        enst = self._next_run_estimates(now)
+        offloaded = False
+        if free < target and idle:
+            idle.sort(key=lambda r: enst.get(r.request_id, 0.0), reverse=True)
+            for r in idle:
+                if free >= target:
+                    break
+                if not kv.can_swap_out(r.request_id):
+                    break  # host full: keep the KV where it is (no proactive recompute)
+                free += kv.num_device_blocks(r.request_id)
+                self._move(r, "out", plan, sync=False)
+                offloaded = True
+        if offloaded or not on_host:
+            return  # memory is tight: uploading now would only be offloaded again
+        on_host.sort(key=lambda r: enst.get(r.request_id, 0.0))
+        for r in on_host:
+            if kv.device.num_free - len(kv.host_blocks(r.request_id)) >= target:
+                self._move(r, "in", plan, sync=False)
 
     # ---- after the step ---------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
         """Record computed and sampled tokens; returns requests that got a new token."""
         ran: list[Request] = []
         produced: list[Request] = []
+        for rid in result.transfers_done:  # also for requests aborted mid-transfer
+            if self.kv.in_flight(rid):
+                self.kv.end_transfer(rid)
+        # Sync swap copies held the whole batch: swap stall, not execution (FastServe Fig. 15b).
+        sync_s = result.transfer_seconds
+        for req in self._stalled:
+            if req.request_id in self.requests:
+                req.metrics.swap_stall_s += result.step_seconds
+        self._stalled = []
         for s in plan.slices:
             req = self.requests.get(s.request_id)
             if req is None:  # aborted while the step ran
@@ -157,7 +292,8 @@ class Scheduler:
             req.num_computed_tokens += len(s.token_ids)
             m = req.metrics
             m.iterations += 1
-            m.attained_service_s += result.step_seconds
+            m.attained_service_s += result.step_seconds - sync_s
+            m.swap_stall_s += sync_s
             ran.append(req)
             if not s.sample:
                 continue
@@ -175,7 +311,9 @@ class Scheduler:
     def repeatable_steps(self, plan: StepPlan) -> list[Request] | None:
         """The batch of a decode-only plan whose policy can bound repeats (see
         Policy.stable_steps), or None."""
-        if plan.prefill or plan.drop or plan.swap_in or plan.swap_out or not plan.decode:
+        if plan.prefill or plan.drop or plan.swap_in or plan.swap_out or plan.async_transfers or not plan.decode:
+            return None
+        if self._stalled or self.kv.num_in_flight:  # a completion would change the next plan
             return None
         if not hasattr(self.policy, "stable_steps"):
             return None
@@ -203,11 +341,14 @@ class Scheduler:
         def growth(steps: int) -> int:
             return sum(kv.blocks_needed(r.request_id, r.num_computed_tokens + steps) for r in reqs)
 
-        if growth(k) > kv.device.num_free:  # largest k whose growth fits (growth is monotone)
+        room = kv.device.num_free
+        if self.config.preemption == "proactive-swap" and room >= self._reserve:
+            room -= self._reserve  # crossing into the burst reserve starts offloads: an event
+        if growth(k) > room:  # largest k whose growth fits (growth is monotone)
             lo, hi = 0, k
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if growth(mid) <= kv.device.num_free:
+                if growth(mid) <= room:
                     lo = mid
                 else:
                     hi = mid - 1
