@@ -22,8 +22,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-blocks", type=int, default=None)
     p.add_argument("--kv-memory-fraction", type=float, default=0.25)
-    p.add_argument("--swap-space-gb", type=float, default=0.0)
-    p.add_argument("--offload-dtype", default="auto", choices=["auto", "int8"])
+    p.add_argument("--swap-space-gb", type=float, default=4.0,
+                   help="host memory for swapped-out KV (reactive-swap / proactive-swap)")
+    p.add_argument("--host-kv-blocks", type=int, default=None, help="host KV blocks (overrides --swap-space-gb)")
+    p.add_argument("--offload-dtype", default="auto", choices=["auto", "int8"],
+                   help="int8: per-channel int8 KV on host, dequantized on upload")
     p.add_argument("--policy", default="fcfs")
     p.add_argument("--preemption", default="recompute", choices=list(PREEMPTION_MODES))
     p.add_argument("--max-batch-size", type=int, default=64)
@@ -33,6 +36,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--starvation-limit-s", type=float, default=None,
                    help="MLFQ: promote jobs waiting longer than this (default: from the SLO)")
     p.add_argument("--slo-normalized-latency", type=float, default=None, help="s/token; informs policy defaults")
+    _add_burst_args(p)
+
+
+def _add_burst_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--burst-reserve-jobs", type=int, default=2,
+                   help="proactive-swap: keep free KV for this many new jobs (K)")
+    p.add_argument("--burst-reserve-queues", type=int, default=1,
+                   help="proactive-swap: ... or for the jobs of this many top queues (K')")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -41,10 +52,12 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                           max_model_len=a.max_model_len, seed=a.seed),
         cache=CacheConfig(block_size=a.block_size, kv_cache_blocks=a.kv_cache_blocks,
                           kv_memory_fraction=a.kv_memory_fraction, swap_space_gb=a.swap_space_gb,
-                          offload_dtype=a.offload_dtype),
+                          host_kv_blocks=a.host_kv_blocks, offload_dtype=a.offload_dtype),
         scheduler=SchedulerConfig(policy=a.policy, preemption=a.preemption, max_batch_size=a.max_batch_size,
                                   max_tokens_per_step=a.max_tokens_per_step, starvation_limit_s=a.starvation_limit_s,
-                                  slo_normalized_latency=a.slo_normalized_latency),
+                                  slo_normalized_latency=a.slo_normalized_latency,
+                                  burst_reserve_jobs=a.burst_reserve_jobs,
+                                  burst_reserve_queues=a.burst_reserve_queues),
         profile=a.profile)
 
 
@@ -109,7 +122,9 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         loads=_number_list(a.loads) if a.loads else None, cv=a.cv,
         seeds=_number_list(a.seeds, int) if a.seeds else [a.seed], num_requests=a.num_requests,
         max_batch_size=a.max_batch_size, max_tokens_per_step=a.max_tokens_per_step,
-        kv_cache_blocks=a.kv_cache_blocks, block_size=a.block_size, slo_normalized_latency=a.slo_normalized_latency,
+        kv_cache_blocks=a.kv_cache_blocks, host_kv_blocks=a.host_kv_blocks, offload_dtype=a.offload_dtype,
+        burst_reserve_jobs=a.burst_reserve_jobs, burst_reserve_queues=a.burst_reserve_queues,
+        block_size=a.block_size, slo_normalized_latency=a.slo_normalized_latency,
         starvation_limit_s=a.starvation_limit_s, mlfq_quantum_ratio=a.mlfq_quantum_ratio,
         mlfq_num_queues=a.mlfq_num_queues, dataset=a.dataset, tokenizer=a.tokenizer, io_ratio=a.io_ratio,
         length_filter=a.length_filter, max_tokens_cap=a.max_tokens_cap, max_prompt_len=a.max_prompt_len)
@@ -146,6 +161,140 @@ def cmd_report(a: argparse.Namespace) -> int:
     if a.plot:
         print(f"wrote {plot_results(results, a.plot, names)}")
     return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    import json
+    import shlex
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from tokenslice.bench.client import ClientConfig
+    from tokenslice.bench.metrics import SLO
+    from tokenslice.bench.report import format_summary, format_table, plot_results
+    from tokenslice.bench.sweep import BenchSpec, ServerSpec, run_bench
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the table
+    policies = [p.strip() for p in a.policy.split(",") if p.strip()] if a.policy else []
+    server = None
+    tokenizer = a.tokenizer
+    if a.model:
+        if not policies:
+            raise ValueError("--model needs --policy (comma-separated policies to compare)")
+        args = shlex.split(a.server_args or "")
+        for flag, value in (("--max-batch-size", a.max_batch_size), ("--kv-cache-blocks", a.kv_cache_blocks),
+                            ("--max-model-len", a.max_model_len), ("--preemption", a.preemption),
+                            ("--dtype", a.dtype), ("--profile", a.profile)):
+            if value is not None:
+                args += [flag, str(value)]
+        server = ServerSpec(model=a.model, args=args, threads=a.server_threads, api_key=a.api_key)
+        if tokenizer is None and Path(a.model).is_dir():
+            tokenizer = a.model  # count dataset tokens as the served model does
+    else:
+        policies = policies or ["server"]
+    slo_auto = a.slo_normalized_latency == "auto"
+    slo = SLO(None if slo_auto or a.slo_normalized_latency is None else float(a.slo_normalized_latency),
+              a.slo_ttft, a.slo_tpot)
+    spec = BenchSpec(
+        workload=a.workload, policies=policies, rates=_number_list(a.rates) if a.rates else None,
+        concurrency=_number_list(a.concurrency, int) if a.concurrency else None, num_requests=a.num_requests,
+        cv=a.cv, seed=a.seed, dataset=a.dataset, tokenizer=tokenizer, max_tokens_cap=a.max_tokens_cap,
+        max_prompt_len=a.max_prompt_len, length_filter=a.length_filter, input_len=a.input_len,
+        output_len=a.output_len, min_len=a.min_len, max_len=a.max_len, slo=slo, slo_auto=slo_auto,
+        slo_attainment=a.slo_attainment, early_stop_factor=a.early_stop_factor or None, warmup_requests=a.warmup)
+    send_length = {"auto": a.model is not None, "on": True, "off": False}[a.expected_length]
+    client = ClientConfig(base_url=a.url or "", model=a.served_model, api_key=a.api_key, endpoint=a.endpoint,
+                          ignore_eos=not a.no_ignore_eos, send_expected_length=send_length,
+                          temperature=a.temperature, seed=a.seed, request_timeout_s=a.request_timeout,
+                          max_concurrency=a.max_concurrency, prompt_format=a.prompt_format,
+                          history_max_chars=a.history_max_chars)
+    client.validate()
+    with tqdm(desc="bench", unit="req", file=sys.stderr, disable=a.quiet) as bar:
+        def tick(desc: str, done: int, total: int) -> None:
+            if bar.total != total or done == 1:
+                bar.reset(total)
+                bar.set_description_str(desc, refresh=False)
+            bar.update(done - bar.n)
+
+        results = run_bench(spec, client, server, progress=tick)
+    print(format_summary([results], [a.workload]))
+    print(format_table([results]))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+            f.write("\n")
+        print(f"wrote {a.out}")
+    if a.plot:
+        print(f"wrote {plot_results([results], a.plot)}")
+    return 0
+
+
+def add_bench_subcommand(sub: Any) -> None:
+    """`bench`: load over HTTP against our servers (one per policy) or any OpenAI-compatible URL."""
+    from tokenslice.bench.client import ENDPOINTS, PROMPT_FORMATS
+    from tokenslice.bench.workloads import WORKLOAD_NAMES
+
+    b = sub.add_parser("bench", help="benchmark over HTTP: policies x rates against real servers, "
+                       "or any OpenAI-compatible URL")
+    target = b.add_mutually_exclusive_group(required=True)
+    target.add_argument("--url", help="an OpenAI-compatible server to benchmark (base URL, with or without /v1)")
+    target.add_argument("--model", help="start `tokenslice serve --model MODEL` per policy (a Hugging Face "
+                        "directory or builtin:tiny)")
+    b.add_argument("--api-key", default=os.environ.get("TOKENSLICE_API_KEY"), help="sent as a Bearer token")
+    b.add_argument("--served-model", default=None, help="model name to send (default: the first of /v1/models)")
+    b.add_argument("--policy", default=None, help="with --model: comma-separated policies, one server each; "
+                   "with --url: a label for the server")
+    b.add_argument("--workload", required=True, choices=list(WORKLOAD_NAMES))
+    b.add_argument("--dataset", default=None, help="dataset file or directory (alpaca/sharegpt workloads)")
+    b.add_argument("--tokenizer", default=None, help="tokenizer directory that counts dataset tokens "
+                   "(default with --model DIR: the model's)")
+    points = b.add_mutually_exclusive_group(required=True)
+    points.add_argument("--rates", help="comma-separated arrival rates (req/s), open loop")
+    points.add_argument("--concurrency", help="comma-separated fixed numbers of requests in flight (closed loop)")
+    b.add_argument("--cv", type=float, default=1.0, help="arrival-gap coefficient of variation (1: Poisson)")
+    b.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight at any rate")
+    b.add_argument("--num-requests", type=int, default=200)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--max-tokens-cap", type=int, default=None)
+    b.add_argument("--max-prompt-len", type=int, default=None)
+    b.add_argument("--length-filter", action="store_true", help="vLLM's benchmark length filter")
+    b.add_argument("--input-len", type=int, default=128, help="synthetic workloads: prompt length (mean)")
+    b.add_argument("--output-len", type=int, default=128, help="synthetic workloads: output length (mean)")
+    b.add_argument("--min-len", type=int, default=1, help="synthetic workloads: shortest length")
+    b.add_argument("--max-len", type=int, default=2048, help="synthetic workloads: longest length")
+    b.add_argument("--slo-normalized-latency", default=None, help="s/token, or 'auto': 10x the decode step "
+                   "a lone request sees on the first server (the paper protocol)")
+    b.add_argument("--slo-ttft", type=float, default=None, help="per-request TTFT bound (s)")
+    b.add_argument("--slo-tpot", type=float, default=None, help="per-request TPOT bound (s)")
+    b.add_argument("--slo-attainment", type=float, default=0.9,
+                   help="without a normalized-latency SLO: share of requests that must meet TTFT/TPOT")
+    b.add_argument("--early-stop-factor", type=float, default=2.0,
+                   help="stop a policy's sweep once past this x the SLO (0: run every point)")
+    b.add_argument("--endpoint", default="completions", choices=list(ENDPOINTS))
+    b.add_argument("--prompt-format", default="auto", choices=list(PROMPT_FORMATS),
+                   help="auto: dataset text (else token ids); synthetic: token ids of each request's length")
+    b.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (outputs may end early)")
+    b.add_argument("--expected-length", default="auto", choices=["auto", "on", "off"],
+                   help="send tokenslice.expected_output_tokens (for srpt-oracle; auto: with --model)")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--request-timeout", type=float, default=600.0, help="seconds; a request past it fails")
+    b.add_argument("--history-max-chars", type=int, default=None,
+                   help="multi-turn: drop a conversation's oldest turns beyond this many characters")
+    b.add_argument("--warmup", type=int, default=4, help="unrecorded requests sent to each server first")
+    srv = b.add_argument_group("servers started with --model")
+    srv.add_argument("--max-batch-size", type=int, default=None)
+    srv.add_argument("--kv-cache-blocks", type=int, default=None)
+    srv.add_argument("--max-model-len", type=int, default=None)
+    srv.add_argument("--preemption", default=None, choices=list(PREEMPTION_MODES))
+    srv.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    srv.add_argument("--profile", default=None, help="cost model the policies use (see `serve --profile`)")
+    srv.add_argument("--server-threads", type=int, default=None, help="torch threads in each server")
+    srv.add_argument("--server-args", default=None, help="further `serve` flags, as one quoted string")
+    b.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
+    b.add_argument("--plot", default=None, help="write a PNG figure")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
@@ -192,6 +341,10 @@ def add_simulation_subcommands(sub: Any) -> None:
     m.add_argument("--max-tokens-per-step", type=int, default=2048)
     m.add_argument("--kv-cache-blocks", type=int, default=None,
                    help="device KV blocks (default: ample, every request of the workload fits at once)")
+    m.add_argument("--host-kv-blocks", type=int, default=None,
+                   help="host KV blocks for the swap modes (default: 4x the device pool)")
+    m.add_argument("--offload-dtype", default="auto", choices=["auto", "int8"])
+    _add_burst_args(m)
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--slo-normalized-latency", type=float, default=None,
                    help="s/token (default: 10x the profile's decode iteration time)")
@@ -261,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
     s.set_defaults(func=cmd_serve)
     add_simulation_subcommands(sub)
+    add_bench_subcommand(sub)
     return parser
 
 

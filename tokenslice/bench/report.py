@@ -54,9 +54,10 @@ def load_results(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
 
 
 def x_axis(results: Sequence[Mapping[str, Any]]) -> str:
-    """"load" when every file swept load (steady-state protocol), else "rate"."""
+    """"load" when every file swept load (steady-state protocol), "concurrency" when every file
+    swept a closed loop's concurrency (`bench --concurrency`), else "rate"."""
     sweeps = {(r.get("workload") or {}).get("sweep") for r in results}
-    return "load" if sweeps == {"load"} else "rate"
+    return sweeps.pop() if len(sweeps) == 1 and sweeps <= {"load", "concurrency"} else "rate"
 
 
 def collect_series(results: Sequence[Mapping[str, Any]], names: Sequence[str] | None = None,
@@ -90,6 +91,8 @@ TABLE_COLUMNS = (("mean norm s/tok", "mean_normalized_latency", 1.0), ("p95 norm
                  ("mean TTFT s", "mean_ttft", 1.0), ("p99 TTFT s", "p99_ttft", 1.0),
                  ("p99.9 TBT ms", "p999_tbt", 1e3), ("tput req/s", "throughput_rps", 1.0),
                  ("preempt", "preemptions", 1.0))
+OPTIONAL_COLUMNS = (("SLO att.", "slo_attainment", 1.0), ("goodput req/s", "goodput_rps", 1.0),
+                    ("failed", "num_failed", 1.0))
 
 
 def format_table(results: Sequence[Mapping[str, Any]], names: Sequence[str] | None = None) -> str:
@@ -97,13 +100,17 @@ def format_table(results: Sequence[Mapping[str, Any]], names: Sequence[str] | No
     x_key = x_axis(results)
     series = collect_series(results, names, x_key)
     by_label = {s.label: s for s in series}
-    header = ["policy", "rate", "load", "seeds"] + [c[0] for c in TABLE_COLUMNS] + ["vs fcfs"]
+    # SLO attainment and goodput where runs carry them (runs swept against a per-request SLO).
+    extra = [c for c in OPTIONAL_COLUMNS if any(c[1] in run["metrics"] for res in results for run in res["runs"])]
+    columns = list(TABLE_COLUMNS) + extra
+    x_cols = ["rate", "load"] if x_key != "concurrency" else ["concurrency", "rate"]
+    header = ["policy", *x_cols, "seeds"] + [c[0] for c in columns] + ["vs fcfs"]
     rows = [header]
     for s in series:
         base = by_label.get("fcfs" + s.label[len(s.policy):])  # same preemption and file
         for x in s.xs():
-            row = [s.label, _fmt(s.mean_field(x, "rate")), _fmt(s.mean_field(x, "load")), str(len(s.points[x]))]
-            row += [_fmt(s.mean(x, key), scale) for _, key, scale in TABLE_COLUMNS]
+            row = [s.label, *(_fmt(s.mean_field(x, c)) for c in x_cols), str(len(s.points[x]))]
+            row += [_fmt(s.mean(x, key), scale) for _, key, scale in columns]
             ratio = None
             if base is not None and x in base.points:
                 mine, theirs = s.mean(x, "mean_normalized_latency"), base.mean(x, "mean_normalized_latency")
@@ -129,12 +136,20 @@ def format_summary(results: Sequence[Mapping[str, Any]], names: Sequence[str] | 
             parts.append(f"fcfs saturation {summ['fcfs_saturation_rps']:.4g} req/s")
         out.append(", ".join(parts))
         for label, key, cens in (("max rate under SLO (req/s)", "max_rate_under_slo", "max_rate_censored"),
-                                 ("max load under SLO", "max_load_under_slo", "max_load_censored")):
+                                 ("max load under SLO", "max_load_under_slo", "max_load_censored"),
+                                 ("max concurrency under SLO", "max_concurrency_under_slo",
+                                  "max_concurrency_censored")):
             vals = summ.get(key)
             if vals:
                 censored = set(summ.get(cens) or [])  # "+": no sweep point broke the SLO
                 out.append(f"  {label}: " + ", ".join(f"{p} {v:.4g}{'+' if p in censored else ''}"
                                                       for p, v in vals.items()))
+        for key in ("max_rate_ratio_vs_fcfs", "max_concurrency_ratio_vs_fcfs"):
+            if summ.get(key):
+                out.append("  ratio to fcfs: " + ", ".join(f"{p} {v:.3g}" for p, v in summ[key].items()))
+        if summ.get("early_stopped"):
+            out.append("  stopped early (past the SLO), points not run: " + "; ".join(
+                f"{p} {', '.join(f'{x:g}' for x in xs)}" for p, xs in summ["early_stopped"].items()))
     return "\n".join(out)
 
 
@@ -175,7 +190,8 @@ def plot_results(results: Sequence[Mapping[str, Any]], out: str | Path, names: S
     for slo in sorted({s.slo for s in series if s.slo is not None}):
         ax.axhline(slo, color="k", linestyle="--", linewidth=1, label=f"SLO {slo:.3g} s/token")
     ax.set_yscale("log")
-    ax.set_xlabel("load (fraction of fcfs saturation)" if x_key == "load" else "arrival rate (req/s)")
+    ax.set_xlabel({"load": "load (fraction of fcfs saturation)",
+                   "concurrency": "requests in flight"}.get(x_key, "arrival rate (req/s)"))
     ax.set_ylabel("mean normalized latency (s/token)")
     ax.set_title("Latency vs " + x_key)
     ax.legend(fontsize=8)
@@ -185,6 +201,9 @@ def plot_results(results: Sequence[Mapping[str, Any]], out: str | Path, names: S
     if focus is not None:
         labels = [s.label for s in series]
         parts = (("queueing", "queue_s", "C7"), ("execution", "exec_s", "C0"), ("swapping", "mean_swap_s", "C3"))
+        if all(r["metrics"].get("mean_decode_s") is not None for s in series for r in s.points[focus]):
+            # Measured over HTTP: the client sees only the wait for the first token and the rest.
+            parts = (("first token (TTFT)", "mean_ttft", "C7"), ("decode (e2e - TTFT)", "mean_decode_s", "C0"))
         bottom = np.zeros(len(series))
         for name, key, color in parts:
             vals = np.array([s.mean(focus, key) or 0.0 for s in series])

@@ -440,7 +440,9 @@ class Server:
                         yield chunk(echo, None)
                     async for out in stream:
                         track.update(out)
-                        if out.text_delta or out.finished:
+                        # One chunk per generated token (as vLLM streams), even when the text is
+                        # held back: clients time every token and count them against usage.
+                        if out.text_delta or out.new_token_ids or out.finished:
                             yield chunk(out.text_delta, _finish(out))
                     if include_usage:
                         yield _sse(CompletionChunk(id=track.request_id, created=created, model=model, choices=[],
@@ -484,7 +486,7 @@ class Server:
                     yield chunk(DeltaMessage(role="assistant", content=""))
                     async for out in stream:
                         track.update(out)
-                        if out.text_delta:
+                        if out.text_delta or out.new_token_ids:  # one chunk per token, as above
                             yield chunk(DeltaMessage(content=out.text_delta))
                         if out.finished:
                             yield chunk(DeltaMessage(), _finish(out))

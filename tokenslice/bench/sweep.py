@@ -1,0 +1,388 @@
+"""HTTP benchmark sweeps: the logic behind `tokenslice bench` (DESIGN.md, "Benchmark protocols").
+
+For each policy (with `--model`: one `tokenslice serve` child process per policy, torn down
+after its sweep; with `--url`: the given server under one label) and each sweep point (arrival
+rate, or fixed concurrency), replay the workload with `LoadClient`, compute the DESIGN.md
+metrics client-side, add the server's counter deltas from /metrics, and build the results file.
+
+A policy's sweep stops early once it is clearly past the SLO (the metric above
+`early_stop_factor` x the bound, or two points in a row above it): higher rates only take longer
+and cannot bring it back. Max rate under the SLO is interpolated between sweep points as in
+`metrics.max_rate_detail`. The SLO criterion is the paper protocol's mean normalized latency
+when it is set, else the share of requests meeting the per-request TTFT / TPOT bounds
+(at least `slo_attainment` of them). A point with any failed request counts as past the SLO.
+No torch in this process: the engine runs in the server.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from tokenslice.bench.client import ClientConfig, ClientRecord, LoadClient, RunResult, counters_as_metrics, \
+    wait_idle
+from tokenslice.bench.metrics import COUNTER_KEYS, SLO, max_rate_detail, results_file, run_entry, summarize
+from tokenslice.bench.simulate import per_request_data
+from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload, resolve_dataset, \
+    workload_stats
+
+SLO_DECODE_FACTOR = 10  # the paper protocol: SLO = 10x the decode iteration time
+STARTUP_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class BenchSpec:
+    """What `tokenslice bench` sweeps; the CLI flags map onto these fields."""
+
+    workload: str
+    policies: list[str]
+    rates: list[float] | None = None  # open-loop arrival rates (req/s) ...
+    concurrency: list[int] | None = None  # ... or fixed numbers of requests in flight (closed loop)
+    num_requests: int = 200
+    cv: float = 1.0
+    seed: int = 0
+    dataset: str | None = None
+    tokenizer: str | None = None
+    max_tokens_cap: int | None = None
+    max_prompt_len: int | None = None
+    length_filter: bool = False
+    input_len: int = 128
+    output_len: int = 128
+    min_len: int = 1
+    max_len: int = 2048
+    zipf_theta: float = 1.5
+    slo: SLO = field(default_factory=SLO)
+    slo_auto: bool = False  # normalized-latency SLO = 10x the decode step measured on the first server
+    slo_attainment: float = 0.9  # share of requests that must meet TTFT/TPOT (when no normalized bound)
+    early_stop_factor: float | None = 2.0  # None: run every point
+    warmup_requests: int = 4
+
+    def validate(self) -> None:
+        if (self.rates is None) == (self.concurrency is None):
+            raise ValueError("give exactly one of rates (--rates) or concurrency (--concurrency)")
+        points = self.points
+        if not points or any(not (x > 0 and math.isfinite(x)) for x in points):
+            raise ValueError(f"rates/concurrency must be positive finite numbers, got {points}")
+        if not self.policies:
+            raise ValueError("give at least one policy")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not 0 < self.slo_attainment <= 1:
+            raise ValueError(f"slo_attainment must be in (0, 1], got {self.slo_attainment}")
+        if self.early_stop_factor is not None and self.early_stop_factor < 1:
+            raise ValueError(f"early_stop_factor must be >= 1, got {self.early_stop_factor}")
+
+    @property
+    def sweep(self) -> str:
+        return "rate" if self.rates is not None else "concurrency"
+
+    @property
+    def points(self) -> list[float]:
+        return sorted(self.rates if self.rates is not None else (self.concurrency or []))
+
+    def make(self, rate: float | None, cache: DatasetCache) -> list[WorkloadRequest]:
+        return make_workload(self.workload, num_requests=self.num_requests, rate=rate, cv=self.cv, seed=self.seed,
+                             dataset=self.dataset, tokenizer=self.tokenizer, max_tokens_cap=self.max_tokens_cap,
+                             max_prompt_len=self.max_prompt_len, length_filter=self.length_filter,
+                             input_len=self.input_len, output_len=self.output_len, min_len=self.min_len,
+                             max_len=self.max_len, zipf_theta=self.zipf_theta, cache=cache)
+
+    def followups(self, requests: Sequence[WorkloadRequest], cache: DatasetCache) -> dict[str, list[WorkloadRequest]]:
+        """Later turns of the sampled conversations (sharegpt-multiturn), output lengths capped
+        like the first turns'."""
+        if self.workload != "sharegpt-multiturn" or self.tokenizer is None:
+            return {}
+        wanted = {r.conversation_id for r in requests if r.conversation_id}
+        out: dict[str, list[WorkloadRequest]] = {}
+        for conv in cache.conversation_records(resolve_dataset("sharegpt", self.dataset), self.tokenizer):
+            cid = conv[0].conversation_id
+            if cid not in wanted or cid in out:
+                continue
+            out[str(cid)] = [WorkloadRequest(
+                request_id=f"{cid}-turn{rec.turn}", arrival_time=0.0, prompt=rec.prompt, prompt_len=rec.prompt_len,
+                output_len=max(1, min(rec.output_len, self.max_tokens_cap or rec.output_len)),
+                conversation_id=str(cid), turn=rec.turn) for rec in conv[1:]]
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("workload", "policies", "slo")}
+
+
+@dataclass
+class ServerSpec:
+    """How `bench --model` starts a server per policy: `tokenslice serve` in a child process."""
+
+    model: str
+    args: list[str] = field(default_factory=list)  # further `serve` flags (batch size, KV blocks, profile, ...)
+    threads: int | None = None  # torch threads in the server (OMP_NUM_THREADS); None: torch's default
+    api_key: str | None = None
+
+
+# ---------------------------------------------------------------- servers
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`tokenslice serve` as a child process on a free loopback port; stopped with SIGTERM to its
+    own PID (SIGKILL only if it does not exit). Its log goes to a temporary file, shown on failure."""
+
+    def __init__(self, spec: ServerSpec, policy: str, slo_normalized_latency: float | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "tokenslice.cli", "--log-level", "WARNING", "serve", "--model", spec.model,
+               "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port)]
+        if slo_normalized_latency is not None and "--slo-normalized-latency" not in spec.args:
+            cmd += ["--slo-normalized-latency", repr(slo_normalized_latency)]
+        if spec.api_key:
+            cmd += ["--api-key", spec.api_key]
+        self.cmd = cmd + list(spec.args)
+        env = dict(os.environ)
+        if spec.threads is not None:
+            env["OMP_NUM_THREADS"] = str(spec.threads)
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"tokenslice-bench-{policy}-", suffix=".log")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not come up in {timeout_s:g} s:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-chars:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@contextmanager
+def running_server(spec: ServerSpec, policy: str, slo_normalized_latency: float | None = None) -> Iterator[str]:
+    """A started server's base URL; the server is stopped however the block ends."""
+    server = ServerProcess(spec, policy, slo_normalized_latency)
+    try:
+        server.wait_ready()
+        yield server.url
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------- one run
+
+def bench_metrics(result: RunResult, slo: SLO, prefix: str = "tokenslice:") -> dict[str, Any]:
+    """DESIGN.md metrics from client records, server counters from /metrics deltas (None where
+    the server exposes no such counter), and the client-side latency breakdown."""
+    records = result.records
+    m = summarize(records, slo=slo)
+    scraped = counters_as_metrics(result.server_counters, prefix)
+    for key in COUNTER_KEYS:  # the client cannot count these itself: only what the server says
+        m[key] = scraped.get(key)
+    m["queue_s"] = scraped.get("server_mean_queue_s")  # arrival to first scheduled, server-side
+    m["exec_s"] = None
+    done = [r for r in records if r.finished and r.ttft is not None]
+    m["mean_decode_s"] = float(np.mean([r.e2e - r.ttft for r in done])) if done else None
+    m["duration_s"] = result.duration_s
+    m["max_send_lag_s"] = result.max_send_lag_s
+    m["tokens_match_chunks"] = all(r.chunks == r.output_tokens for r in records if r.finished)
+    return m
+
+
+def slo_value(metrics: Mapping[str, Any], slo: SLO, attainment_target: float) -> tuple[str, float, float | None] | None:
+    """(criterion name, bound, value) of one run against the SLO; value None = past it; None
+    when no SLO is set."""
+    failed = bool(metrics.get("num_failed"))
+    if slo.mean_normalized_latency is not None:
+        v = metrics.get("mean_normalized_latency")
+        return "mean_normalized_latency", slo.mean_normalized_latency, None if failed else v
+    if slo.is_set():
+        att = metrics.get("slo_attainment")
+        return "slo_violation", 1.0 - attainment_target, None if att is None else 1.0 - att
+    return None
+
+
+def clearly_past(history: Sequence[float | None], bound: float, factor: float) -> bool:
+    """Early stop: the last point is `factor` x past the bound (or failed), or the last two are past it."""
+    if not history:
+        return False
+    last = history[-1]
+    if last is None or last > factor * bound:
+        return True
+    return len(history) >= 2 and all(v is None or v > bound for v in history[-2:])
+
+
+def compact_records(records: Sequence[ClientRecord]) -> dict[str, Any]:
+    """Per-request data for CDF plots (TTFT per request, pooled TBT as quantiles), plus the
+    errors of failed requests."""
+    data = per_request_data(records)
+    for key in ("queue_s", "exec_s"):  # the client cannot split latency this way
+        data.pop(key, None)
+    data["errors"] = sorted({r.error for r in records if r.error})
+    return data
+
+
+# ---------------------------------------------------------------- the sweep
+
+ProgressFn = Callable[[str, int, int], None]  # (description, requests done, requests in this run)
+
+
+def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None = None,
+              progress: ProgressFn | None = None, cache: DatasetCache | None = None) -> dict[str, Any]:
+    """Every (policy, sweep point) as a DESIGN.md results file with tool "bench".
+
+    With `server`, each policy gets its own `tokenslice serve` child; without, `client.base_url`
+    is benchmarked under the single label `spec.policies[0]`.
+    """
+    spec.validate()
+    if server is None and len(spec.policies) != 1:
+        raise ValueError("against a given --url there is one server: give one label in --policy")
+    cache = cache or DatasetCache()
+    tick = progress or (lambda _d, _n, _t: None)
+    slo = spec.slo
+    calibration: dict[str, Any] | None = None
+    if spec.slo_auto:
+        with _server_url(server, client, spec.policies[0], None) as url:
+            lc = LoadClient(dataclasses.replace(client, base_url=url))
+            _warm_up(lc, spec.warmup_requests)
+            step = lc.measure_decode_step()
+        slo = dataclasses.replace(slo, mean_normalized_latency=SLO_DECODE_FACTOR * step)
+        calibration = {"decode_step_s": step, "factor": SLO_DECODE_FACTOR, "policy": spec.policies[0]}
+
+    runs: list[dict[str, Any]] = []
+    skipped: dict[str, list[float]] = {}
+    server_info: dict[str, Any] = {}
+    for policy in spec.policies:
+        with _server_url(server, client, policy, slo.mean_normalized_latency) as url:
+            lc = LoadClient(dataclasses.replace(client, base_url=url))
+            server_info = lc.server_info()
+            _warm_up(lc, spec.warmup_requests)
+            history: list[float | None] = []
+            for i, x in enumerate(spec.points):
+                run = _one_point(spec, lc, policy, x, slo, cache, tick)
+                runs.append(run)
+                verdict = slo_value(run["metrics"], slo, spec.slo_attainment)
+                if verdict is None or spec.early_stop_factor is None:
+                    continue
+                history.append(verdict[2])
+                if clearly_past(history, verdict[1], spec.early_stop_factor) and i + 1 < len(spec.points):
+                    skipped[policy] = spec.points[i + 1:]
+                    break
+
+    wl = spec.make(None, cache)
+    stats = workload_stats(wl)
+    workload = {"name": spec.workload, **spec.describe(), "sweep": spec.sweep,
+                "prompt_mean": stats.get("prompt_mean"), "output_mean": stats.get("output_mean"),
+                "server": {**server_info, "started_by_bench": server is not None,
+                           "model": server.model if server else server_info.get("model"),
+                           "args": server.args if server else None, "threads": server.threads if server else None},
+                "client": {"endpoint": client.endpoint, "ignore_eos": client.ignore_eos,
+                           "send_expected_length": client.send_expected_length,
+                           "max_concurrency": client.max_concurrency, "prompt_format": client.prompt_format,
+                           "temperature": client.temperature},
+                "slo_calibration": calibration}
+    profile = server.model if server else server_info.get("url", client.root)
+    return results_file("bench", workload, profile, slo, runs, bench_summary(runs, spec, slo, skipped))
+
+
+@contextmanager
+def _server_url(server: ServerSpec | None, client: ClientConfig, policy: str,
+                slo_normalized_latency: float | None) -> Iterator[str]:
+    if server is None:
+        yield client.base_url
+        return
+    with running_server(server, policy, slo_normalized_latency) as url:
+        yield url
+
+
+def _warm_up(lc: LoadClient, n: int) -> None:
+    """A few requests the results ignore: the first steps of a fresh server are slower."""
+    if n > 0:
+        lc.run([WorkloadRequest(f"warmup-{i}", 0.0, None, 16, 16) for i in range(n)])
+        wait_idle(lc.cfg)
+
+
+def _one_point(spec: BenchSpec, lc: LoadClient, policy: str, x: float, slo: SLO, cache: DatasetCache,
+               tick: ProgressFn) -> dict[str, Any]:
+    rate = x if spec.sweep == "rate" else None
+    requests = spec.make(rate, cache)
+    followups = spec.followups(requests, cache)
+    total = len(requests) + sum(len(followups.get(r.conversation_id or "", ())) for r in requests)
+    point_cfg = lc.cfg if spec.sweep == "rate" else dataclasses.replace(lc.cfg, max_concurrency=int(x))
+    done = 0
+    desc = f"{policy} {spec.sweep}={x:g}"
+
+    def on_record(_rec: ClientRecord) -> None:
+        nonlocal done
+        done += 1
+        tick(desc, done, total)
+
+    result = LoadClient(point_cfg).run(requests, followups, progress=on_record)
+    wait_idle(lc.cfg)  # aborted (timed-out) requests must not load the next point
+    metrics = bench_metrics(result, slo, lc.cfg.metrics_prefix)
+    return run_entry(policy, None, rate, metrics, cv=spec.cv if rate else None, num_requests=len(result.records),
+                     seed=spec.seed, concurrency=int(x) if spec.sweep == "concurrency" else point_cfg.max_concurrency,
+                     server_counters=result.server_counters, per_request=compact_records(result.records))
+
+
+def bench_summary(runs: Sequence[Mapping[str, Any]], spec: BenchSpec, slo: SLO,
+                  skipped: Mapping[str, Sequence[float]]) -> dict[str, Any]:
+    """Max rate (or concurrency) under the SLO per policy, its ratio to fcfs, and early stops."""
+    x_key = spec.sweep
+    summary: dict[str, Any] = {"slo_metric": None, "max_rate_under_slo": {}, "fcfs_saturation_rps": None,
+                               "early_stopped": {k: list(v) for k, v in skipped.items()}}
+    per_policy: dict[str, list[tuple[float, float | None]]] = {}
+    bound = None
+    for run in runs:
+        verdict = slo_value(run["metrics"], slo, spec.slo_attainment)
+        if verdict is None:
+            continue
+        summary["slo_metric"], bound = verdict[0], verdict[1]
+        per_policy.setdefault(run["policy"], []).append((float(run[x_key]), verdict[2]))
+    if bound is None:
+        return summary
+    detail = {p: max_rate_detail([x for x, _ in pts], [v for _, v in pts], bound) for p, pts in per_policy.items()}
+    name = "max_rate_under_slo" if x_key == "rate" else "max_concurrency_under_slo"
+    summary[name] = {p: d.rate for p, d in detail.items()}
+    summary[name.replace("under_slo", "censored")] = sorted(p for p, d in detail.items() if d.censored)
+    summary[name.replace("under_slo", "infeasible")] = sorted(p for p, d in detail.items() if d.infeasible)
+    base = summary[name].get("fcfs")
+    if base:
+        summary[name.replace("under_slo", "ratio_vs_fcfs")] = {p: v / base for p, v in summary[name].items()}
+    return summary
+
+
+__all__ = ["BenchSpec", "ServerSpec", "ServerProcess", "running_server", "free_port", "bench_metrics", "slo_value",
+           "clearly_past", "compact_records", "run_bench", "bench_summary", "SLO_DECODE_FACTOR"]
