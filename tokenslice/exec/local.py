@@ -25,3 +25,7 @@ class LocalExecutor:
 
     def poll(self) -> StepResult | None:
         return self._done.popleft() if self._done else None
+
+    def close(self) -> None:
+        """Stop the runner's transfer threads (after their queued copies). Idempotent."""
+        self.runner.close()

@@ -1,16 +1,39 @@
-"""ModelRunner: owns the model and the KV tensors; turns a StepPlan into one forward pass."""
+"""ModelRunner: owns the model and the KV tensors; turns a StepPlan into KV transfers and one
+forward pass.
+
+Two KV tiers (DESIGN.md, KVManager): the device tensor `kv` and a host tensor of the same
+layout, [layers, 2, blocks, block_size, kv_heads, head_dim] (pinned on CUDA so copies are DMA),
+in the model dtype or, with offload_dtype="int8", as 8-bit codes plus per-channel metadata
+(ALISE §3.2, model/kv_quant.py): quantized on the device before device->host, dequantized on
+the device after host->device. A swap copies each contiguous run of (source, destination)
+blocks (kv/groups.copy_runs) across all layers in one strided copy: FastSwitch's point is that
+per-copy overhead, not bandwidth, dominates fine-grained swapping, and block groups keep runs
+long. On CPU that was measured against a batched gather (one index_select over all layers +
+one index_copy_) and won at every fragmentation (BENCHMARKS.md, KV transfer bandwidth). On CUDA
+a strided host<->device copy is not one DMA, so each run moves as 2 x layers contiguous
+DMAs. Asynchronous transfers (FastServe §4.2, FastSwitch) run on kv/transfer.TransferEngine
+threads; on CUDA on side streams ordered after the compute that wrote the KV.
+"""
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 
 from tokenslice.config import CacheConfig
+from tokenslice.kv.groups import copy_runs
+from tokenslice.kv.transfer import TransferEngine
+from tokenslice.model.arch import ArchConfig
 from tokenslice.model.attention import build_metadata
+from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quantize_blocks, quantized_block_bytes
 from tokenslice.model.loader import LoadedModel
 from tokenslice.model.sampler import Sampler
-from tokenslice.plan import StepPlan, StepResult
+from tokenslice.plan import BlockTransfer, StepPlan, StepResult
+
+Direction = Literal["out", "in"]  # out: device -> host; in: host -> device
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -32,8 +55,32 @@ def num_kv_blocks(cache: CacheConfig, loaded: LoadedModel, max_model_len: int, m
     return max(1, min(by_memory, by_need))
 
 
+def host_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, offload_dtype: str = "auto") -> int:
+    """Bytes one KV block takes on the host tier (and moves over the link)."""
+    if offload_dtype == "int8":
+        return quantized_block_bytes(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
+    return block_size * arch.kv_bytes_per_token // 4 * (torch.finfo(dtype).bits // 8)
+
+
+def num_host_kv_blocks(cache: CacheConfig, loaded: LoadedModel) -> int:
+    """Host-tier blocks: an explicit `host_kv_blocks` wins, else --swap-space-gb (GiB, as vLLM)
+    divided by the host block size in the offload dtype."""
+    explicit = getattr(cache, "host_kv_blocks", None)
+    if explicit is not None:
+        return int(explicit)
+    if cache.swap_space_gb <= 0:
+        return 0
+    per_block = host_block_bytes(loaded.arch, cache.block_size, loaded.dtype, cache.offload_dtype)
+    return int(cache.swap_space_gb * (1 << 30)) // per_block
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
+                 num_host_blocks: int = 0, offload_dtype: str = "auto", transfer_threads: int = 2) -> None:
+        if offload_dtype not in ("auto", "int8"):
+            raise ValueError(f"offload_dtype must be auto or int8, got {offload_dtype!r}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         a = loaded.arch
         self.model = loaded.model
         self.device = loaded.device
@@ -43,8 +90,28 @@ class ModelRunner:
         # Zeroed: padded attention slots read unwritten blocks and must not hold NaNs.
         self.kv = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
                               dtype=self.dtype, device=self.device)
+        self.num_host_blocks = num_host_blocks
+        self.offload_dtype = offload_dtype
+        self.host_block_bytes = host_block_bytes(a, block_size, self.dtype, offload_dtype)
+        # Host tier: (kv,) in the model dtype, or (codes, span, zero) for int8. Never read before
+        # written, so uninitialized; pinned on CUDA so copies are asynchronous DMA.
+        shape = (a.num_layers, 2, num_host_blocks, block_size, a.num_kv_heads, a.head_dim)
+        pin = self.device.type == "cuda"
+        self.host: tuple[torch.Tensor, ...] = (
+            QuantizedBlocks.empty(shape, self.dtype, "cpu", pin).tensors() if offload_dtype == "int8"
+            else (torch.empty(shape, dtype=self.dtype, pin_memory=pin),))
+        self.transfer_threads = transfer_threads
+        self._engine: TransferEngine | None = None  # started by the first async transfer
+        self._streams: dict[str, torch.cuda.Stream] = {}  # CUDA side streams, one per direction
+        # How long an empty step waits for an async transfer before returning to the engine.
+        self.idle_wait_s = 0.05
         self.sampler = Sampler(self.device, seed)
         self.prep_seconds = 0.0  # summed time turning plans into tensors (overhead accounting)
+        # Swap counters (sync and async): copy calls issued and bytes moved between tiers
+        # (int8-sized with offload_dtype="int8").
+        self.swap_ops = 0
+        self.swap_out_bytes = 0
+        self.swap_in_bytes = 0
 
     @property
     def block_bytes(self) -> int:
@@ -54,8 +121,27 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         self.sampler.forget(plan.finished)
-        if plan.is_empty:
-            return StepResult(step_seconds=time.perf_counter() - t0)
+        transfer_seconds = 0.0
+        if plan.swap_out or plan.swap_in:  # critical path: before compute, out before in
+            t1 = time.perf_counter()
+            self.swap(plan.swap_out, "out")
+            self.swap(plan.swap_in, "in")
+            if self.device.type == "cuda":  # the copies are queued on the compute stream
+                torch.cuda.current_stream(self.device).synchronize()
+            transfer_seconds = time.perf_counter() - t1
+        if plan.async_transfers:
+            self._start_async(plan.async_transfers)
+        sampled = {} if plan.is_empty else self._compute(plan)
+        done: list[str] = []
+        if self._engine is not None:
+            done = self._engine.poll()
+            if plan.is_empty and not done and self._engine.pending():
+                done = self._engine.wait_any(self.idle_wait_s)  # nothing to compute: do not spin
+        return StepResult(sampled=sampled, step_seconds=time.perf_counter() - t0,
+                          transfer_seconds=transfer_seconds, transfers_done=done)
+
+    def _compute(self, plan: StepPlan) -> dict[str, int]:
+        t0 = time.perf_counter()
         slices = plan.decode + plan.prefill
         ids: list[int] = []
         for s in slices:
@@ -77,7 +163,126 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]).float()
             for s, tok in zip(sampling, self.sampler.sample(logits, sampling), strict=True):
                 sampled[s.request_id] = tok
-        return StepResult(sampled=sampled, step_seconds=time.perf_counter() - t0)
+        return sampled
+
+    # ---- KV swapping --------------------------------------------------------------------------
+    def swap(self, pairs: Sequence[tuple[int, int]], direction: Direction) -> None:
+        """Copy blocks between tiers now, on the current stream: "out" takes (device block, host
+        block) pairs, "in" (host block, device block) pairs. Counts ops and bytes."""
+        if not pairs:
+            return
+        runs = self._checked_runs(pairs, direction)
+        self._account(len(pairs), len(runs), direction)
+        self._copy_runs(runs, direction)
+
+    def _copy_runs(self, runs: list[tuple[int, int, int]], direction: Direction) -> None:
+        int8 = self.offload_dtype == "int8"
+        for s, d, n in runs:
+            if direction == "out":
+                src, dst = self.kv[:, :, s:s + n], tuple(h[:, :, d:d + n] for h in self.host)
+                if not int8:
+                    self._cross_copy(dst[0], src)
+                elif self.device.type == "cpu":  # codes straight into the host slices
+                    quantize_blocks(src, QuantizedBlocks(*dst))
+                else:  # quantize on the device, move the (smaller) codes
+                    for h, t in zip(dst, quantize_blocks(src).tensors(), strict=True):
+                        self._cross_copy(h, t)
+            else:
+                src, dst = tuple(h[:, :, s:s + n] for h in self.host), self.kv[:, :, d:d + n]
+                if not int8:
+                    self._cross_copy(dst, src[0])
+                else:  # move the codes, dequantize on the device
+                    dequantize_blocks(QuantizedBlocks(*(self._on_device(t) for t in src)), dst)
+
+    def _cross_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst <- src for [layers, 2, n, ...] views of the two tiers. Same memory (CPU): one
+        strided copy. Host <-> CUDA: torch would stage a strided copy through pageable
+        temporaries, so copy each (layer, k/v) slice, which is contiguous on both sides: one
+        asynchronous DMA each from/to pinned memory."""
+        if dst.device == src.device:
+            dst.copy_(src)
+            return
+        for layer in range(dst.shape[0]):
+            for kv in range(dst.shape[1]):
+                dst[layer, kv].copy_(src[layer, kv], non_blocking=True)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device == self.device:
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+        self._cross_copy(out, t)
+        return out
+
+    def _checked_runs(self, pairs: Sequence[tuple[int, int]], direction: Direction) -> list[tuple[int, int, int]]:
+        runs = copy_runs(pairs)
+        src_n, dst_n = ((self.num_blocks, self.num_host_blocks) if direction == "out"
+                        else (self.num_host_blocks, self.num_blocks))
+        for s, d, n in runs:  # slicing would silently truncate an out-of-range run
+            if s < 0 or d < 0 or s + n > src_n or d + n > dst_n:
+                raise ValueError(f"swap {direction}: blocks {s}..{s + n - 1} -> {d}..{d + n - 1} out of range "
+                                 f"({src_n} source, {dst_n} destination blocks)")
+        return runs
+
+    def _account(self, num_blocks: int, num_runs: int, direction: Direction) -> None:
+        """Counters, from the planning thread only (workers never touch them)."""
+        per_run = len(self.host) * (1 if self.device.type == "cpu" else 2 * self.kv.shape[0])
+        self.swap_ops += num_runs * per_run
+        if direction == "out":
+            self.swap_out_bytes += num_blocks * self.host_block_bytes
+        else:
+            self.swap_in_bytes += num_blocks * self.host_block_bytes
+
+    # ---- asynchronous transfers ---------------------------------------------------------------
+    def _start_async(self, transfers: list[BlockTransfer]) -> None:
+        if self._engine is None:
+            self._engine = TransferEngine(self.transfer_threads)
+        ready = None
+        if self.device.type == "cuda":
+            # Everything queued on the compute stream so far (the last step's KV writes, this
+            # step's sync swaps) happens before the side streams touch those blocks.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        for t in transfers:
+            if not t.pairs:
+                self._engine.submit(t.request_id, lambda: None)
+                continue
+            runs = self._checked_runs(t.pairs, t.direction)
+            self._account(len(t.pairs), len(runs), t.direction)
+            stream = self._stream(t.direction) if ready is not None else None
+            self._engine.submit(t.request_id, self._async_job(runs, t.direction, stream, ready))
+
+    def _async_job(self, runs: list[tuple[int, int, int]], direction: Direction,
+                   stream: torch.cuda.Stream | None, ready: torch.cuda.Event | None) -> Callable[[], None]:
+        """The copy a worker runs. The caller guarantees (KVManager transfer windows) that no
+        compute touches these blocks and the request is not scheduled until it is reported."""
+        def job() -> None:
+            with torch.inference_mode():
+                if stream is None or ready is None:
+                    self._copy_runs(runs, direction)
+                    return
+                with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    self._copy_runs(runs, direction)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                done.synchronize()  # report the request only once the DMA landed
+        return job
+
+    def _stream(self, direction: Direction) -> torch.cuda.Stream:
+        # One side stream per direction: the host link is full duplex (two copy engines).
+        # Created on the planning thread only.
+        if direction not in self._streams:
+            self._streams[direction] = torch.cuda.Stream(self.device)
+        return self._streams[direction]
+
+    @property
+    def transfers_pending(self) -> int:
+        return self._engine.pending() if self._engine is not None else 0
+
+    def close(self) -> None:
+        """Let queued transfers finish and stop the transfer threads. Idempotent."""
+        if self._engine is not None:
+            self._engine.close()
 
     @torch.inference_mode()
     def prompt_logits(self, plan: StepPlan) -> torch.Tensor:
