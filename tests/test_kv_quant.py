@@ -83,6 +83,10 @@ def test_chunked_path_matches_one_shot_and_writes_strided_views(monkeypatch: pyt
     monkeypatch.setattr(kvq, "CPU_CHUNK_ELEMS", 1 << 17)
     assert torch.equal(out[:, :, 1:6], dequantize_blocks(one, torch.empty(3, 2, 5, 4, 2, 8)))
     assert (out[:, :, 0] == 0).all() and (out[:, :, 6:] == 0).all()
+    # Leading dims that do not merge into one (every other layer): one layer at a time.
+    odd = quantize_blocks(kv[::2, :, 2:7])
+    for a, b in zip(odd.tensors(), quantize_blocks(kv[::2, :, 2:7].contiguous()).tensors(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_block_bytes() -> None:

@@ -25,7 +25,6 @@ on CPU, where large fresh temporaries cost more in page faults than the arithmet
 """
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -72,29 +71,41 @@ def quantize_blocks(x: torch.Tensor, out: QuantizedBlocks | None = None) -> Quan
     when given."""
     if out is None:
         out = QuantizedBlocks.empty(tuple(x.shape), x.dtype, x.device)
+    rows = _as_rows(x, *out.tensors())
+    if rows is None:  # leading dims not mergeable into one: one leading index at a time
+        for i in range(x.shape[0]):
+            quantize_blocks(x[i], QuantizedBlocks(out.q[i], out.span[i], out.zero[i]))
+        return out
+    x5, q5, span5, zero5 = rows
     scratch = _Scratch(x)
-    for idx in _chunks(x):
-        xs = x[idx]
+    for idx in _chunks(x5):
+        xs = x5[idx]
         lo = xs.amin(-3)  # exact: values of x
         lo64 = lo.double()
         span = _round_toward_zero_f32(xs.amax(-3).double().sub_(lo64))
         # A constant channel has span 0: all its codes are 0 and it decodes to `zero` exactly.
         inv = torch.where(span > 0, LEVELS / span.double(), 0.0)
         t = scratch.like(xs).copy_(xs).sub_(lo64.unsqueeze(-3)).mul_(inv.unsqueeze(-3))
-        out.q[idx].copy_(t.round_().clamp_(0, LEVELS))
-        out.span[idx].copy_(span)
-        out.zero[idx].copy_(lo)
+        q5[idx].copy_(t.round_().clamp_(0, LEVELS))
+        span5[idx].copy_(span)
+        zero5[idx].copy_(lo)
     return out
 
 
 def dequantize_blocks(qb: QuantizedBlocks, out: torch.Tensor) -> torch.Tensor:
     """Decode into `out` [..., n, block_size, kv_heads, head_dim] (its dtype is the KV dtype;
     a strided view is fine); returns out."""
+    rows = _as_rows(out, *qb.tensors())
+    if rows is None:
+        for i in range(out.shape[0]):
+            dequantize_blocks(QuantizedBlocks(qb.q[i], qb.span[i], qb.zero[i]), out[i])
+        return out
+    out5, q5, span5, zero5 = rows
     scratch = _Scratch(out)
-    for idx in _chunks(out):
-        step = qb.span[idx].double().div_(LEVELS).unsqueeze(-3)
-        y = scratch.like(out[idx]).copy_(qb.q[idx]).mul_(step).add_(qb.zero[idx].unsqueeze(-3))
-        out[idx].copy_(y)  # the one rounding to the KV dtype
+    for idx in _chunks(out5):
+        step = span5[idx].double().div_(LEVELS).unsqueeze(-3)
+        y = scratch.like(out5[idx]).copy_(q5[idx]).mul_(step).add_(zero5[idx].unsqueeze(-3))
+        out5[idx].copy_(y)  # the one rounding to the KV dtype
     return out
 
 
@@ -118,18 +129,32 @@ def _round_toward_zero_f32(r: torch.Tensor) -> torch.Tensor:
     return torch.where(f.double() > r, torch.nextafter(f, torch.zeros_like(f)), f)
 
 
-def _chunks(x: torch.Tensor) -> Iterator[tuple[int | slice, ...]]:
-    """Index tuples covering x [..., n, bs, kvh, hd] in pieces of whole blocks: cache-sized on
-    CPU, large on an accelerator (fewer launches, bounded fp64 temporaries)."""
+def _as_rows(x: torch.Tensor, q: torch.Tensor, span: torch.Tensor,
+             zero: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """Views with the leading dims merged: x and q [rows, n, bs, kvh, hd], span and zero
+    [rows, n, kvh, hd]. A (layers, 2, n-block slice) of the KV layout merges; None if some
+    tensor's leading dims do not (views never copy, so writes land in the caller's memory)."""
     if x.dim() < 4:
         raise ValueError(f"expected [..., n, block_size, kv_heads, head_dim], got shape {tuple(x.shape)}")
+    try:
+        return (x.view(-1, *x.shape[-4:]), q.view(-1, *q.shape[-4:]), span.view(-1, *span.shape[-3:]),
+                zero.view(-1, *zero.shape[-3:]))
+    except RuntimeError:
+        return None
+
+
+def _chunks(x: torch.Tensor) -> Iterator[tuple[int | slice, ...]]:
+    """Index tuples covering x [rows, n, bs, kvh, hd] in pieces of whole blocks: cache-sized on
+    CPU, large on an accelerator (few launches, bounded fp64 temporaries)."""
     limit = CPU_CHUNK_ELEMS if x.device.type == "cpu" else ACCEL_CHUNK_ELEMS
-    if x.numel() <= limit:
-        yield (Ellipsis,)
+    rows, n = x.shape[0], x.shape[1]
+    per_block = max(1, x.shape[2] * x.shape[3] * x.shape[4])
+    per_chunk = max(1, limit // per_block)  # blocks
+    if n <= per_chunk:  # several whole rows per chunk
+        step = per_chunk // n
+        for r in range(0, rows, step):
+            yield (slice(r, r + step),)
         return
-    n = x.shape[-4]
-    per_block = x.shape[-3] * x.shape[-2] * x.shape[-1]
-    step = max(1, limit // max(per_block, 1))
-    for lead in itertools.product(*(range(d) for d in x.shape[:-4])):
-        for start in range(0, n, step):
-            yield (*lead, slice(start, start + step))
+    for r in range(rows):
+        for start in range(0, n, per_chunk):
+            yield (r, slice(start, start + per_chunk))
