@@ -59,6 +59,9 @@ class SchedulerConfig:
     # max(K new jobs, jobs of the top K' queues not on device).
     burst_reserve_jobs: int = 2  # K
     burst_reserve_queues: int = 1  # K'
+    # Anti-thrashing: a job whose KV was just loaded cannot be evicted by another load until it
+    # ran this many times its load time (0: off). See Scheduler._protect.
+    eviction_amortization: float = 1.0
 
     def validate(self) -> None:
         if self.mlfq_quantum_ratio <= 1.0:

@@ -48,6 +48,10 @@ class SweepSpec:
     max_batch_size: int = 16
     max_tokens_per_step: int = 2048
     kv_cache_blocks: int | None = None  # None: ample (memory never binds)
+    host_kv_blocks: int | None = None  # swap modes; None: 4x the device pool
+    offload_dtype: str = "auto"
+    burst_reserve_jobs: int = 2
+    burst_reserve_queues: int = 1
     block_size: int = 16
     slo_normalized_latency: float | None = None  # None: 10x the decode iteration time
     starvation_limit_s: float | None = None
@@ -83,7 +87,9 @@ class SweepSpec:
         cfg = SchedulerConfig(policy=policy, preemption=self.preemption, max_batch_size=self.max_batch_size,
                               max_tokens_per_step=self.max_tokens_per_step,
                               mlfq_quantum_ratio=self.mlfq_quantum_ratio, mlfq_num_queues=self.mlfq_num_queues,
-                              starvation_limit_s=self.starvation_limit_s, slo_normalized_latency=slo)
+                              starvation_limit_s=self.starvation_limit_s, slo_normalized_latency=slo,
+                              burst_reserve_jobs=self.burst_reserve_jobs,
+                              burst_reserve_queues=self.burst_reserve_queues)
         cfg.validate()
         return cfg
 
@@ -128,7 +134,9 @@ def engine_counters(engine: Any) -> dict[str, Any]:
     return {"num_steps": engine.num_steps, "kv_blocks": kv.device.num_blocks,
             "kv_peak_blocks": kv.device.peak_used,
             "kv_peak_fraction": kv.device.peak_used / kv.device.num_blocks if kv.device.num_blocks else 0.0,
-            "engine_preemptions": sched.num_preemptions, "engine_recomputed_tokens": sched.num_recomputed_tokens}
+            "engine_preemptions": sched.num_preemptions, "engine_recomputed_tokens": sched.num_recomputed_tokens,
+            "host_blocks": kv.host.num_blocks, "host_peak_blocks": kv.host.peak_used,
+            "swap_fallbacks": sched.num_swap_fallbacks}
 
 
 def check_fits(requests: Sequence[WorkloadRequest], kv_cache_blocks: int, block_size: int) -> None:
@@ -140,12 +148,16 @@ def check_fits(requests: Sequence[WorkloadRequest], kv_cache_blocks: int, block_
 
 
 def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], sched_config: SchedulerConfig,
-                 kv_cache_blocks: int, block_size: int = 16) -> tuple[list[RequestRecord], dict[str, Any]]:
-    """Replay a workload on the simulator: (per-request records, engine-wide counters)."""
+                 kv_cache_blocks: int, block_size: int = 16, host_kv_blocks: int | None = None,
+                 offload_dtype: str = "auto") -> tuple[list[RequestRecord], dict[str, Any]]:
+    """Replay a workload on the simulator: (per-request records, engine-wide counters). The host
+    tier (swap modes only) defaults to 4x the device pool."""
     from tokenslice.engine.engine import Engine  # the engine pulls in the scheduler stack: import on use
 
     check_fits(workload_requests, kv_cache_blocks, block_size)
-    engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size)
+    host = 4 * kv_cache_blocks if host_kv_blocks is None else host_kv_blocks
+    engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
+                              host_kv_blocks=host, offload_dtype=offload_dtype)
     reqs = engine.replay(list(workload_requests))
     return records_from_requests(reqs), engine_counters(engine)
 
@@ -269,7 +281,7 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
             wl = spec.make(seed, rate, cache)
             for policy in spec.policies:
                 records, counters = simulate_run(cost, wl, spec.scheduler_config(policy, slo), kv_blocks,
-                                                 spec.block_size)
+                                                 spec.block_size, spec.host_kv_blocks, spec.offload_dtype)
                 metrics = run_metrics(records, counters, slo)
                 runs.append(run_entry(policy, spec.preemption, rate, metrics, load=load, cv=spec.cv,
                                       num_requests=len(wl), seed=seed, per_request=per_request_data(records)))
@@ -284,6 +296,10 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                 "output_mean": stats.get("output_mean"),
                 "scheduler": {"preemption": spec.preemption, "max_batch_size": spec.max_batch_size,
                               "max_tokens_per_step": spec.max_tokens_per_step, "kv_cache_blocks": kv_blocks,
+                              "host_kv_blocks": spec.host_kv_blocks if spec.host_kv_blocks is not None
+                              else 4 * kv_blocks, "offload_dtype": spec.offload_dtype,
+                              "burst_reserve_jobs": spec.burst_reserve_jobs,
+                              "burst_reserve_queues": spec.burst_reserve_queues,
                               "kv_cache_blocks_given": spec.kv_cache_blocks is not None,
                               "block_size": spec.block_size, "starvation_limit_s": spec.starvation_limit_s,
                               "mlfq_quantum_ratio": spec.mlfq_quantum_ratio,

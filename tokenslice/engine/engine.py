@@ -86,7 +86,8 @@ class Engine:
                  loaded.dtype, loaded.device, blocks, config.cache.block_size)
         kv = KVManager(config.cache.block_size, blocks)
         cost = load_cost_model(config.profile) if config.profile else None
-        scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, PolicyContext(config.scheduler, cost)), kv)
+        ctx = PolicyContext(config.scheduler, cost)
+        scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, ctx), kv, ctx)
         eos = loaded.tokenizer.eos_token_id if loaded.tokenizer.eos_token_id is not None else loaded.arch.eos_token_id
         eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         engine = cls(scheduler, LocalExecutor(runner), tokenizer=loaded.tokenizer, clock=RealClock(),
@@ -105,10 +106,11 @@ class Engine:
 
         swapping = config.preemption in ("reactive-swap", "proactive-swap")
         kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0, contiguous=swapping)
-        policy = make_policy(config.policy, PolicyContext(config, cost))
+        ctx = PolicyContext(config, cost)
+        policy = make_policy(config.policy, ctx)
         clock = VirtualClock()
         block_bytes = offload_block_bytes(block_size, cost.kv_bytes_per_token, offload_dtype)
-        scheduler = Scheduler(config, policy, kv)
+        scheduler = Scheduler(config, policy, kv, ctx)
         scheduler.swap_block_bytes = block_bytes
         engine = cls(scheduler, SimulatedExecutor(cost, clock, block_bytes), tokenizer=None, clock=clock,
                      max_model_len=max_model_len, vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name)

@@ -73,7 +73,10 @@ class SkipJoinMLFQPolicy:
         heapq.heappush(self._starve_heap, (now, next(self._tiebreak), rid))
 
     def _next_iteration_s(self, req: Request) -> float:
-        if req.num_computed_tokens == 0:  # (re)starts with a prefill of everything it has
+        # A job that has generated is decoding, even if its KV was dropped: the recompute is
+        # the server's overhead, and placing the job by it would sink it to a deep queue where
+        # it starves, is promoted, is dropped again, and makes no progress.
+        if req.num_computed_tokens == 0 and not req.output_token_ids:
             return self.ctx.first_iteration_s(req.num_tokens)
         return self.ctx.decode_s(req.num_tokens)
 
@@ -88,8 +91,10 @@ class SkipJoinMLFQPolicy:
         short decode for the long prefill that happened to share its batch."""
         rid, computed = req.request_id, req.num_computed_tokens
         last = self._computed.get(rid, 0)
-        new = computed - last if computed > last else computed  # dropped KV: rebuilt from zero
         self._computed[rid] = computed
+        if computed <= last:  # dropped KV rebuilt from zero: charge the token, not the recompute
+            return min(step_seconds, self.ctx.decode_s(req.num_tokens))
+        new = computed - last
         own = self.ctx.decode_s(req.num_tokens) if new == 1 else self.ctx.first_iteration_s(new)
         return min(step_seconds, own)
 

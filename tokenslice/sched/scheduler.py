@@ -7,20 +7,29 @@ from tokenslice.kv.groups import copy_runs
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import BlockTransfer, SeqSlice, StepPlan, StepResult
 from tokenslice.request import Request, RequestState
-from tokenslice.sched.policy import Policy
+from tokenslice.sched.policy import Policy, PolicyContext
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, policy: Policy, kv: KVManager) -> None:
+    def __init__(self, config: SchedulerConfig, policy: Policy, kv: KVManager,
+                 ctx: PolicyContext | None = None) -> None:
         config.validate()
         self.config = config
         self.policy = policy
         self.kv = kv
+        self.ctx = ctx or PolicyContext(config)
+        # Anti-thrashing: a job whose KV was just loaded (prefill, recompute or swap-in) may not be
+        # evicted to load another until its service since the load repays the load's cost.
+        self._protected_until: dict[str, float] = {}  # request id -> own-share seconds
+        self._share: dict[str, float] = {}  # per request: its token share of the steps it ran in
         self.requests: dict[str, Request] = {}
         self._released: list[str] = []  # finished since the last plan; the executor may forget them
         self._finished: list[Request] = []  # finished since the engine last asked
         self._running: set[str] = set()  # chosen by the last plan
         self._stalled: list[Request] = []  # chosen by rank but waiting for their KV this step
+        self._protection_blocked = False  # the last plan skipped a victim for its protection
+        self._enst_now: float | None = None  # next-run estimates, computed once per plan on demand
+        self._enst_cache: dict[str, float] | None = None
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         # Swapping (issue: KV memory under preemption); bytes as moved over the host link.
@@ -82,6 +91,8 @@ class Scheduler:
         ranked = self.policy.ranked(now)
         it = iter(ranked)
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
+        self._protection_blocked = False
+        self._enst_now, self._enst_cache = now, None
         budget = cfg.max_tokens_per_step
         chosen: set[str] = set()
         dropped: set[str] = set()
@@ -107,18 +118,19 @@ class Scheduler:
             if need > kv.device.num_free:
                 lower = list(it)  # everything not yet walked is lower-ranked
                 it = iter(lower)
-                if not self._make_room(need, lower, chosen, holds_kv, plan, dropped):
+                if not self._make_room(need, lower, chosen, holds_kv, plan, dropped, loads=on_host or not holds_kv):
                     if not holds_kv:
                         admission_blocked = True
-                    if on_host:
-                        stalled.append(req)
-                    continue
+                    continue  # waits for memory: queueing, not swap stall
             if on_host:
+                self._protect(req, self._swap_seconds(len(kv.host_blocks(rid))))
                 if proactive:  # upload overlapping this step's compute; it runs next step
                     self._move(req, "in", plan, sync=False)
                     stalled.append(req)
                     continue
                 self._move(req, "in", plan, sync=True)  # reactive: in the critical path
+            elif not holds_kv:
+                self._protect(req, self.ctx.first_iteration_s(total - 1))
             kv.ensure(rid, computed + chunk)
             chosen.add(rid)
             budget -= chunk
@@ -146,18 +158,30 @@ class Scheduler:
         return plan
 
     def _make_room(self, need: int, lower: list[Request], chosen: set[str], holds_kv: bool,
-                   plan: StepPlan, dropped: set[str]) -> bool:
+                   plan: StepPlan, dropped: set[str], loads: bool = False) -> bool:
         """Free device blocks by evicting lower-ranked requests' KV, lowest first: swapped out
         to host in the swap modes (when host has room), else dropped to recompute later.
 
         Under `defer` only a request that already holds KV may evict (it must progress, or the
-        pool deadlocks); new work waits instead.
+        pool deadlocks); new work waits instead. A request that `loads` its KV (new, recomputing
+        or on host) may not evict a protected job (see _protect); one growing its resident KV
+        may, or the pool could deadlock.
         """
         if self.config.preemption == "defer" and not holds_kv:
             return False
         kv = self.kv
         victims = [r for r in reversed(lower) if r.request_id not in chosen and kv.holds(r.request_id)
                    and not kv.in_flight(r.request_id)]
+        if self._enst_now is not None and len(victims) > 1:
+            # FastServe §4.2: evict the job that will run last, not merely the lowest-ranked one:
+            # a long-waiting job about to be promoted ranks low but runs soon.
+            enst = self._enst()
+            victims.sort(key=lambda r: enst.get(r.request_id, 0.0), reverse=True)
+        if loads:
+            unprotected = [r for r in victims if not self._is_protected(r)]
+            if len(unprotected) < len(victims):
+                self._protection_blocked = True
+                victims = unprotected
         freeable = kv.num_free_device_blocks + sum(kv.num_device_blocks(r.request_id) for r in victims)
         if freeable < need:
             return False
@@ -203,6 +227,26 @@ class Scheduler:
             m.swap_in_bytes += nbytes
             self.swap_in_bytes += nbytes
 
+    def _protect(self, req: Request, load_s: float) -> None:
+        """Anti-thrashing (the collapse FastServe §4.2 guards against with ENST-ordered swaps):
+        when many jobs of similar priority want more KV than the device holds, MLFQ's short top
+        quanta would rotate them through memory every few iterations, each rotation paying a
+        swap or a recompute. A loaded job is protected from eviction by other loads until it has
+        run for `eviction_amortization` x its load time, so loading costs at most that fraction
+        of useful work."""
+        factor = self.config.eviction_amortization
+        if factor > 0:
+            rid = req.request_id
+            self._protected_until[rid] = self._share.get(rid, 0.0) + factor * load_s
+
+    def _is_protected(self, req: Request) -> bool:
+        until = self._protected_until.get(req.request_id)
+        return until is not None and self._share.get(req.request_id, 0.0) < until
+
+    def _swap_seconds(self, num_blocks: int) -> float:
+        cost = self.ctx.cost
+        return cost.transfer_seconds(num_blocks * self.swap_block_bytes, 1) if cost else 0.0
+
     def _drop_kv(self, req: Request, plan: StepPlan) -> None:
         self.kv.free(req.request_id)
         req.metrics.recomputed_tokens += req.num_computed_tokens
@@ -230,6 +274,11 @@ class Scheduler:
         per_job = self.kv.blocks_for_tokens(self._prompt_tokens // max(1, self._num_arrivals) + 1)
         return min(jobs * per_job, self.kv.device.num_blocks // 4)
 
+    def _enst(self) -> dict[str, float]:
+        if self._enst_cache is None:
+            self._enst_cache = self._next_run_estimates(self._enst_now or 0.0)
+        return self._enst_cache
+
     def _next_run_estimates(self, now: float) -> dict[str, float]:
         """ENST (FastServe) / EWT (ALISE) per live request; rank position when the policy has
         no time estimate (the order is what matters for swapping)."""
@@ -252,7 +301,7 @@ class Scheduler:
         on_host = [r for rid, r in reqs.items() if not kv.in_flight(rid) and kv.residency(rid) == "host"]
         if not (free < target and idle) and not on_host:
             return
-        enst = self._next_run_estimates(now)
+        enst = self._enst()
         offloaded = False
         if free < target and idle:
             idle.sort(key=lambda r: enst.get(r.request_id, 0.0), reverse=True)
@@ -285,10 +334,14 @@ class Scheduler:
             if req.request_id in self.requests:
                 req.metrics.swap_stall_s += result.step_seconds
         self._stalled = []
+        # A job's own share of a step, by tokens: what its residency bought (see _protect).
+        per_token = (result.step_seconds - sync_s) / plan.num_tokens if plan.num_tokens else 0.0
+        share = self._share
         for s in plan.slices:
             req = self.requests.get(s.request_id)
             if req is None:  # aborted while the step ran
                 continue
+            share[s.request_id] = share.get(s.request_id, 0.0) + per_token * len(s.token_ids)
             req.num_computed_tokens += len(s.token_ids)
             m = req.metrics
             m.iterations += 1
@@ -314,6 +367,8 @@ class Scheduler:
         if plan.prefill or plan.drop or plan.swap_in or plan.swap_out or plan.async_transfers or not plan.decode:
             return None
         if self._stalled or self.kv.num_in_flight:  # a completion would change the next plan
+            return None
+        if self._protection_blocked:  # an expiring protection would change the next plan
             return None
         if not hasattr(self.policy, "stable_steps"):
             return None
@@ -366,6 +421,7 @@ class Scheduler:
             req.num_computed_tokens += k
             m = req.metrics
             m.iterations += k
+            self._share[req.request_id] = self._share.get(req.request_id, 0.0) + sum(durations) / len(reqs)
             service = m.attained_service_s
             for d in durations:
                 service += d
@@ -401,6 +457,8 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, now: float, state: RequestState) -> None:
         self.requests.pop(req.request_id, None)
+        self._protected_until.pop(req.request_id, None)
+        self._share.pop(req.request_id, None)
         self._running.discard(req.request_id)
         self.kv.free(req.request_id)
         req.state = state
