@@ -59,9 +59,15 @@ class SchedulerConfig:
     # max(K new jobs, jobs of the top K' queues not on device).
     burst_reserve_jobs: int = 2  # K
     burst_reserve_queues: int = 1  # K'
-    # Anti-thrashing: a job whose KV was just loaded cannot be evicted by another load until it
-    # ran this many times its load time (0: off). See Scheduler._protect.
-    eviction_amortization: float = 1.0
+    # Anti-thrashing: a job whose KV was just loaded cannot be evicted by another load until its
+    # share of service reached this many times its load time (0: off), so loads cost at most
+    # 1/16 of useful work: below the 5% slack of a system at rho = 0.95. See Scheduler._protect.
+    eviction_amortization: float = 16.0
+    # srpt-predicted virtual aging (ALISE §3.1): a job's priority is its estimated remaining
+    # execution time minus srpt_aging x its time in the system, so each second waited cancels
+    # srpt_aging seconds of predicted work. 0 is pure SRPT (long jobs may starve); large values
+    # approach FCFS. See sched/speculative.py.
+    srpt_aging: float = 0.5
 
     def validate(self) -> None:
         if self.mlfq_quantum_ratio <= 1.0:
@@ -79,6 +85,8 @@ class SchedulerConfig:
                              f"{self.burst_reserve_jobs} and {self.burst_reserve_queues}")
         if self.max_tokens_per_step < 1:
             raise ValueError(f"max_tokens_per_step must be >= 1, got {self.max_tokens_per_step}")
+        if not self.srpt_aging >= 0 or self.srpt_aging == float("inf"):  # also refuses NaN
+            raise ValueError(f"srpt_aging must be a finite number >= 0, got {self.srpt_aging}")
 
 
 @dataclass

@@ -86,14 +86,16 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  arrival_time: float, *, user: str | None = None, priority: int = 0,
-                 expected_output_tokens: int | None = None, eos_token_id: int | None = None) -> None:
+                 expected_output_tokens: int | None = None, predicted_output_tokens: int | None = None,
+                 eos_token_id: int | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.user = user
         self.priority = priority
         self.expected_output_tokens = expected_output_tokens  # known only to oracles and experiments
-        self.predicted_output_len: float | None = None
+        # An output-length predictor's guess, set at arrival (srpt-predicted, ALISE §3.1); None: no predictor.
+        self.predicted_output_tokens = predicted_output_tokens
         self.eos_token_id = eos_token_id
         self.output_token_ids: list[int] = []
         self.state = RequestState.WAITING

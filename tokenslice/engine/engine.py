@@ -74,17 +74,24 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> Engine:
         from tokenslice.exec.local import LocalExecutor
         from tokenslice.model.loader import load_model
-        from tokenslice.model.runner import ModelRunner, num_kv_blocks
+        from tokenslice.model.runner import ModelRunner, num_host_kv_blocks, num_kv_blocks
 
         config.validate()
         loaded = load_model(config.model)
         limit = loaded.arch.max_position_embeddings
         max_len = min(config.model.max_model_len or limit, limit)
         blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
-        runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed)
-        log.info("model %s (%s, %s on %s): %d KV blocks of %d tokens", loaded.name, loaded.arch.architecture,
-                 loaded.dtype, loaded.device, blocks, config.cache.block_size)
-        kv = KVManager(config.cache.block_size, blocks)
+        swapping = config.scheduler.preemption in ("reactive-swap", "proactive-swap")
+        host_blocks = num_host_kv_blocks(config.cache, loaded) if swapping else 0
+        if swapping and host_blocks == 0:
+            log.warning("preemption %s without host KV space (--swap-space-gb 0): every eviction recomputes",
+                        config.scheduler.preemption)
+        runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed,
+                             num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype)
+        log.info("model %s (%s, %s on %s): %d KV blocks of %d tokens, %d host blocks", loaded.name,
+                 loaded.arch.architecture, loaded.dtype, loaded.device, blocks, config.cache.block_size, host_blocks)
+        # Block groups (FastSwitch) so a swap is a few large copies.
+        kv = KVManager(config.cache.block_size, blocks, host_blocks, contiguous=swapping)
         cost = load_cost_model(config.profile) if config.profile else None
         ctx = PolicyContext(config.scheduler, cost)
         scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, ctx), kv, ctx)
@@ -93,8 +100,15 @@ class Engine:
         engine = cls(scheduler, LocalExecutor(runner), tokenizer=loaded.tokenizer, clock=RealClock(),
                      max_model_len=max_len, vocab_size=loaded.arch.vocab_size, eos_token_ids=eos_ids,
                      model_name=loaded.name)
+        scheduler.swap_block_bytes = runner.host_block_bytes
         engine.runner = runner
         return engine
+
+    def close(self) -> None:
+        """Release executor resources (transfer threads). Idempotent."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
     @classmethod
     def simulated(cls, config: SchedulerConfig, cost: CostModel, *, kv_cache_blocks: int,
@@ -130,7 +144,8 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
                     user: str | None = None, priority: int = 0,
-                    expected_output_tokens: int | None = None) -> Request:
+                    expected_output_tokens: int | None = None,
+                    predicted_output_tokens: int | None = None) -> Request:
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
@@ -141,6 +156,7 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, params, self.clock.now() if arrival_time is None else arrival_time,
                       user=user, priority=priority, expected_output_tokens=expected_output_tokens,
+                      predicted_output_tokens=predicted_output_tokens,
                       eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None)
         req.max_total_tokens = self.max_model_len
         self.scheduler.add(req, self.clock.now())
@@ -281,7 +297,8 @@ class Engine:
                 reqs[item.request_id] = self.add_request(
                     ids, params, request_id=item.request_id, arrival_time=start + item.arrival_time,
                     user=getattr(item, "user", None), priority=getattr(item, "priority", 0) or 0,
-                    expected_output_tokens=item.output_len)
+                    expected_output_tokens=item.output_len,
+                    predicted_output_tokens=getattr(item, "predicted_output_tokens", None))
                 i += 1
             if not self.has_unfinished():
                 self._wait_until(start + items[i].arrival_time)

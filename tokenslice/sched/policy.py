@@ -83,6 +83,7 @@ def make_policy(name: str, ctx: PolicyContext | None = None) -> Policy:
     # Imported here: policy modules import this one for the protocol.
     from tokenslice.sched.fcfs import FCFSPolicy, RequestLevelPolicy
     from tokenslice.sched.mlfq import FixedPriorityPolicy, SkipJoinMLFQPolicy
+    from tokenslice.sched.speculative import SpeculativeSRPTPolicy
     from tokenslice.sched.srpt import SRPTOraclePolicy
 
     ctx = ctx or PolicyContext(SchedulerConfig(policy=name))
@@ -93,6 +94,7 @@ def make_policy(name: str, ctx: PolicyContext | None = None) -> Policy:
         "skip-join-mlfq": lambda: SkipJoinMLFQPolicy(ctx, skip_join=True),
         "fixed-priority": lambda: FixedPriorityPolicy(ctx),
         "srpt-oracle": lambda: SRPTOraclePolicy(ctx),
+        "srpt-predicted": lambda: SpeculativeSRPTPolicy(ctx),
     }
     if name not in builders:
         known = ", ".join(sorted(builders))
