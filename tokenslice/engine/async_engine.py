@@ -58,7 +58,6 @@ class EngineStats:
 
 
 def _count(obj: object, name: str) -> int:
-    # Host swapping arrives later; until the scheduler grows these attributes they read 0.
     value = getattr(obj, name, 0)
     return int(value) if isinstance(value, (int, float)) else 0
 
@@ -176,6 +175,8 @@ class AsyncEngine:
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("engine loop did not stop within %.0f s", timeout)
+        else:
+            self.engine.close()
 
     @property
     def is_alive(self) -> bool:
