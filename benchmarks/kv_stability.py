@@ -39,7 +39,7 @@ SEEDS = [0, 1]
 BOUND = 1.5
 KEEP = ("mean_normalized_latency", "p95_normalized_latency", "mean_ttft", "p99_ttft", "preemptions",
         "recomputed_tokens", "swap_out_bytes", "swap_in_bytes", "swap_ops", "swap_stall_s", "queue_s", "exec_s",
-        "mean_e2e", "host_peak_blocks", "swap_fallbacks", "kv_peak_blocks")
+        "mean_jct", "host_peak_blocks", "swap_fallbacks", "kv_peak_blocks")
 
 
 def one_cell(cv: float, load: float, seed: int, n: int) -> list[dict[str, Any]]:
@@ -86,7 +86,8 @@ def report(data: dict[str, Any]) -> None:
             for v in variants[1:]:
                 ratio = mean(v) / ref
                 worst[v] = max(worst.get(v, 0.0), ratio)
-                stall = mean(v, "swap_stall_s") / max(mean(v, "mean_e2e"), 1e-12) / data["num_requests"]
+                swap_s = mean(v, "swap_stall_s") / data["num_requests"]  # per request
+                stall = swap_s / max(swap_s + mean(v, "queue_s") + mean(v, "exec_s"), 1e-12)
                 row.append(f"{fmt(mean(v))} ({ratio:.2f}x{', stall ' + format(stall, '.1%') if 'swap' in v and 'no' not in v else ''})")
             rows.append(row)
     print(md_table(["cell", "ample"] + variants[1:], rows))
