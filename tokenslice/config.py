@@ -68,6 +68,9 @@ class SchedulerConfig:
     # srpt_aging seconds of predicted work. 0 is pure SRPT (long jobs may starve); large values
     # approach FCFS. See sched/speculative.py.
     srpt_aging: float = 0.5
+    # Output-length predictor directory (`tokenslice predictor build`; ALISE §3.1) that
+    # srpt-predicted consults on arrival. None: no predictor.
+    length_predictor: str | None = None
 
     def validate(self) -> None:
         if self.mlfq_quantum_ratio <= 1.0:

@@ -159,6 +159,7 @@ class LengthPredictor:
         self._trainer: threading.Thread | None = None
         self._stop = threading.Event()
         self.tune_score: float | None = None
+        self.background_training = True
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -177,10 +178,12 @@ class LengthPredictor:
         return pred
 
     @classmethod
-    def load(cls, path: str | Path, *, embedder: SentenceEmbedder | None = None,
-             cache_size: int = 4096) -> LengthPredictor:
+    def load(cls, path: str | Path, *, embedder: SentenceEmbedder | None = None, cache_size: int = 4096,
+             background_training: bool = True) -> LengthPredictor:
         """Open the predictor in `path`: history, index and the last saved MLP. Retrains in the
-        background at once if the history outgrew the saved MLP by `retrain_every` records."""
+        background at once if the history outgrew the saved MLP by `retrain_every` records, and
+        after every `retrain_every` observations, unless background_training is False (then
+        only an explicit `retrain()` trains)."""
         path = Path(path)
         cfg_file = path / CONFIG_FILE
         if not cfg_file.is_file():
@@ -196,6 +199,7 @@ class LengthPredictor:
         pred._add_to_banks(pred._store.load())
         if (path / REGRESSOR_FILE).is_file():
             pred._regressor = LengthRegressor.load(path / REGRESSOR_FILE)
+        pred.background_training = background_training
         pred._maybe_start_training(force=pred._regressor is None)
         return pred
 
@@ -356,7 +360,7 @@ class LengthPredictor:
     def _maybe_start_training(self, force: bool = False) -> None:
         """Start a background retraining when `retrain_every` records arrived since the last one."""
         with self._lock:
-            if self._trainer is not None and self._trainer.is_alive():
+            if not self.background_training or (self._trainer is not None and self._trainer.is_alive()):
                 return
             trained_on = self._regressor.trained_on if self._regressor else 0
             if not force and self._count_after(trained_on) < self.config.retrain_every:
