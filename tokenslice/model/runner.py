@@ -100,6 +100,10 @@ class ModelRunner:
         self.host: tuple[torch.Tensor, ...] = (
             QuantizedBlocks.empty(shape, self.dtype, "cpu", pin).tensors() if offload_dtype == "int8"
             else (torch.empty(shape, dtype=self.dtype, pin_memory=pin),))
+        # The same tensors as rows of (layer, k/v): [2 x layers, blocks, ...]. A run of blocks is
+        # then one slice [:, s:s+n], and each row of it is contiguous (one DMA on CUDA).
+        self._kv_rows = self.kv.flatten(0, 1)
+        self._host_rows = tuple(h.flatten(0, 1) for h in self.host)
         self.transfer_threads = transfer_threads
         self._engine: TransferEngine | None = None  # started by the first async transfer
         self._streams: dict[str, torch.cuda.Stream] = {}  # CUDA side streams, one per direction
@@ -177,9 +181,10 @@ class ModelRunner:
 
     def _copy_runs(self, runs: list[tuple[int, int, int]], direction: Direction) -> None:
         int8 = self.offload_dtype == "int8"
+        kv, host = self._kv_rows, self._host_rows
         for s, d, n in runs:
             if direction == "out":
-                src, dst = self.kv[:, :, s:s + n], tuple(h[:, :, d:d + n] for h in self.host)
+                src, dst = kv[:, s:s + n], tuple(h[:, d:d + n] for h in host)
                 if not int8:
                     self._cross_copy(dst[0], src)
                 elif self.device.type == "cpu":  # codes straight into the host slices
@@ -188,23 +193,22 @@ class ModelRunner:
                     for h, t in zip(dst, quantize_blocks(src).tensors(), strict=True):
                         self._cross_copy(h, t)
             else:
-                src, dst = tuple(h[:, :, s:s + n] for h in self.host), self.kv[:, :, d:d + n]
+                src, dst = tuple(h[:, s:s + n] for h in host), kv[:, d:d + n]
                 if not int8:
                     self._cross_copy(dst, src[0])
                 else:  # move the codes, dequantize on the device
                     dequantize_blocks(QuantizedBlocks(*(self._on_device(t) for t in src)), dst)
 
     def _cross_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """dst <- src for [layers, 2, n, ...] views of the two tiers. Same memory (CPU): one
-        strided copy. Host <-> CUDA: torch would stage a strided copy through pageable
-        temporaries, so copy each (layer, k/v) slice, which is contiguous on both sides: one
-        asynchronous DMA each from/to pinned memory."""
+        """dst <- src for [2 x layers, n, ...] row slices of the two tiers. Same memory (CPU):
+        one strided copy. Host <-> CUDA: torch would stage a strided copy through pageable
+        temporaries, so copy row by row, each contiguous on both sides: one asynchronous DMA
+        per row from/to pinned memory."""
         if dst.device == src.device:
             dst.copy_(src)
             return
-        for layer in range(dst.shape[0]):
-            for kv in range(dst.shape[1]):
-                dst[layer, kv].copy_(src[layer, kv], non_blocking=True)
+        for row in range(dst.shape[0]):
+            dst[row].copy_(src[row], non_blocking=True)
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         if t.device == self.device:
@@ -225,7 +229,7 @@ class ModelRunner:
 
     def _account(self, num_blocks: int, num_runs: int, direction: Direction) -> None:
         """Counters, from the planning thread only (workers never touch them)."""
-        per_run = len(self.host) * (1 if self.device.type == "cpu" else 2 * self.kv.shape[0])
+        per_run = len(self.host) * (1 if self.device.type == "cpu" else self._kv_rows.shape[0])
         self.swap_ops += num_runs * per_run
         if direction == "out":
             self.swap_out_bytes += num_blocks * self.host_block_bytes
