@@ -159,8 +159,9 @@ def p99(values: list[float]) -> float:
 def test_ten_times_too_short_predictions_still_finish_everything_without_starvation():
     items = trace(300, seed=5, rate=1.0, max_out=400)
     runs = {}
-    for name, predict, aging in (("right", lambda it: it.output_len, 0.5),
-                                 ("10x short", lambda it: max(1, it.output_len // 10), 0.5),
+    default = SchedulerConfig().srpt_aging
+    for name, predict, aging in (("right", lambda it: it.output_len, default),
+                                 ("10x short", lambda it: max(1, it.output_len // 10), default),
                                  ("10x short, no aging", lambda it: max(1, it.output_len // 10), 0.0)):
         eng, reqs = simulate(with_predictions(items, predict), srpt_aging=aging)
         assert all(r.finish_reason == "length" and r.num_output_tokens == it.output_len

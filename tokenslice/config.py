@@ -66,8 +66,9 @@ class SchedulerConfig:
     # srpt-predicted virtual aging (ALISE §3.1): a job's priority is its estimated remaining
     # execution time minus srpt_aging x its time in the system, so each second waited cancels
     # srpt_aging seconds of predicted work. 0 is pure SRPT (long jobs may starve); large values
-    # approach FCFS. See sched/speculative.py.
-    srpt_aging: float = 0.5
+    # approach FCFS. 0.1, on simulated ShareGPT/Alpaca (Gamma CV 4, load 0.8, noisy predictions):
+    # mean normalized latency ~20% above pure SRPT, worst latency 40-55% lower. See sched/speculative.py.
+    srpt_aging: float = 0.1
     # Output-length predictor directory (`tokenslice predictor build`; ALISE §3.1) that
     # srpt-predicted consults on arrival. None: no predictor.
     length_predictor: str | None = None
