@@ -18,7 +18,8 @@ Rules fixed before any result was seen:
     (all N requests sent at t = 0: N / makespan), measured first in the same run;
   * a policy's sweep stops once it is clearly past the SLO (`tokenslice bench`'s early stop).
 
-    flock /tmp/tokenslice-bench.lock .venv/bin/python benchmarks/bench_http_sched.py [--num-requests 300]
+    flock /tmp/tokenslice-bench.lock .venv/bin/python benchmarks/bench_http_sched.py [--num-requests 300] [--seed 0] \\
+        | tee benchmarks/results/bench_http_sched_n300_seed0.txt
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ def main() -> None:
     results_dir.mkdir(parents=True, exist_ok=True)
     figures_dir.mkdir(parents=True, exist_ok=True)
 
-    profile = results_dir / "bench_http_sched.profile.json"
+    profile = results_dir / f"bench_http_sched_seed{args.seed}.profile.json"
     print(f"profile: {make_profile(profile):.0f} s -> {profile}", flush=True)
     server = ServerSpec(model=str(MODEL), threads=1, args=[
         "--dtype", "float32", "--max-batch-size", str(BATCH), "--profile", str(profile),
@@ -112,9 +113,10 @@ def main() -> None:
         results = run_bench(spec, client, server)
         results["summary"]["fcfs_saturation_rps"] = sat
         results["workload"]["rate_fractions"] = list(FRACTIONS)
-        out = results_dir / f"bench_http_{workload}_n{args.num_requests}.json"
+        stem = f"bench_http_{workload}_n{args.num_requests}_seed{args.seed}"
+        out = results_dir / f"{stem}.json"
         out.write_text(json.dumps(results, indent=1) + "\n")
-        fig = plot_results([results], figures_dir / f"bench_http_{workload}_n{args.num_requests}.png", [workload])
+        fig = plot_results([results], figures_dir / f"{stem}.png", [workload])
         print(format_summary([results], [workload]))
         print(format_table([results]))
         print(f"{workload}: {time.perf_counter() - t0:.0f} s; wrote {out} and {fig}", flush=True)

@@ -313,7 +313,7 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
                            "max_concurrency": client.max_concurrency, "prompt_format": client.prompt_format,
                            "temperature": client.temperature},
                 "slo_calibration": calibration}
-    profile = server.model if server else server_info.get("url", client.root)
+    profile = Path(server.model).name if server else server_info.get("url", client.root)
     return results_file("bench", workload, profile, slo, runs, bench_summary(runs, spec, slo, skipped))
 
 
