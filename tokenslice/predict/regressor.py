@@ -130,9 +130,8 @@ class LengthRegressor:
 
     def _features(self, embeddings: np.ndarray, prompt_tokens: np.ndarray) -> torch.Tensor:
         length = (np.log1p(np.asarray(prompt_tokens, dtype=np.float64)) - self.len_mean) / self.len_std
-        x = np.hstack([np.asarray(embeddings, dtype=np.float32) * self.input_scale,
-                       length.astype(np.float32)[:, None]])
-        return torch.from_numpy(np.ascontiguousarray(x))
+        x = np.hstack([np.asarray(embeddings, dtype=np.float32) * float(self.input_scale), length[:, None]])
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
 
     def save(self, path: str | Path) -> None:
         """Write atomically (temporary file, fsync, rename): a crash leaves the old or the new file."""
