@@ -18,9 +18,9 @@ from tokenslice.predict.cost import BatchShape, CostModel
 from tokenslice.request import Request
 
 PLACEHOLDER_TOKEN = 0
-# Offloaded KV in int8 (ALISE §3.2): one byte per value plus an fp16 scale and zero point per
-# channel per block, against two bytes per value in fp16.
-SCALE_ZERO_BYTES = 4
+# Offloaded KV in int8 (ALISE §3.2): one byte per value plus, per channel per block, an fp32
+# span and a zero point in the KV dtype (fp16: 4 + 2 bytes), as model/kv_quant.py stores them.
+SCALE_ZERO_BYTES = 6
 
 
 def offload_block_bytes(block_size: int, kv_bytes_per_token: int, offload_dtype: str = "auto",
