@@ -69,6 +69,8 @@ class Engine:
         # Simulator only: repeat unchanged decode batches in bulk between events (exact).
         self.fast_forward = False
         self.max_fast_forward_steps = 4096
+        self.length_predictor: Any | None = None  # predict.length.LengthPredictor, for srpt-predicted
+        self._prompt_text: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -102,13 +104,34 @@ class Engine:
                      model_name=loaded.name)
         scheduler.swap_block_bytes = runner.host_block_bytes
         engine.runner = runner
+        if config.scheduler.length_predictor:
+            from tokenslice.predict.length import LengthPredictor
+
+            engine.length_predictor = LengthPredictor.load(config.scheduler.length_predictor)
         return engine
 
     def close(self) -> None:
-        """Release executor resources (transfer threads). Idempotent."""
+        """Release executor resources (transfer threads) and the length predictor. Idempotent."""
         close = getattr(self.executor, "close", None)
         if close is not None:
             close()
+        if self.length_predictor is not None:
+            self.length_predictor.close()
+            self.length_predictor = None
+
+    def _predict_length(self, req: Request, prompt: str | list[int]) -> None:
+        """ALISE §3.1: predict the output length at arrival; learn the real one at finish."""
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        self._prompt_text[req.request_id] = text
+        if req.predicted_output_tokens is None:
+            req.predicted_output_tokens = max(1, round(self.length_predictor.predict_one(text)))
+
+    def _observe_lengths(self, finished: list[Request]) -> None:
+        for req in finished:
+            text = self._prompt_text.pop(req.request_id, None)
+            if text is not None and req.finish_reason in ("stop", "length"):
+                # Cut off by max_tokens: only a lower bound on the length it wanted (censored).
+                self.length_predictor.observe(text, req.num_output_tokens, censored=req.finish_reason == "length")
 
     @classmethod
     def simulated(cls, config: SchedulerConfig, cost: CostModel, *, kv_cache_blocks: int,
@@ -159,6 +182,8 @@ class Engine:
                       predicted_output_tokens=predicted_output_tokens,
                       eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None)
         req.max_total_tokens = self.max_model_len
+        if self.length_predictor is not None and self.tokenizer is not None:
+            self._predict_length(req, prompt)
         self.scheduler.add(req, self.clock.now())
         if self.tokenizer is not None:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
@@ -228,6 +253,8 @@ class Engine:
                     if det.stopped and not req.is_finished:
                         self.scheduler.finish(req.request_id, "stop", now)
         finished = self.scheduler.take_finished()
+        if self.length_predictor is not None and finished:
+            self._observe_lengths(finished)
         t3 = time.perf_counter()
         self.timings.schedule_s += t1 - t0
         self.timings.execute_s += t2 - t1
