@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import fcntl
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -68,8 +69,6 @@ def niceness(value: int) -> Iterator[None]:
     """Run the untimed, CPU-heavy part (embedding the seed, training) at low priority, so it does
     not disturb other sessions' timing runs; back to normal priority for the timed part (lowering
     niceness again needs root, which this box's sessions are; otherwise it stays low)."""
-    import os
-
     before = os.getpriority(os.PRIO_PROCESS, 0)
     os.setpriority(os.PRIO_PROCESS, 0, value)
     try:
@@ -124,7 +123,9 @@ def main() -> int:
                 secs = build(Path(tmp) / name, train, embedder)
             with bench_lock(a.lock), LengthPredictor.load(Path(tmp) / name, embedder=cold,
                                                            background_training=False) as p:
+                load_before = os.getloadavg()[0]
                 result = evaluate(p, [e.prompt for e in test], [e.output_len for e in test])
+                result["load_average_1min"] = [load_before, os.getloadavg()[0]]  # others' jobs share the cores
             print(format_table(result), flush=True)
             record = {"benchmark": "predictor_quality", "run": name, "date": "2026-11-22",
                       "machine": f"{platform.machine()}, 2 shared CPU cores, torch {torch.__version__}, "

@@ -73,16 +73,28 @@ class SentenceEmbedder:
                 self._cache.move_to_end(t)
                 out[i], lens[i] = hit
         if todo:
-            # Sorting by length keeps padding (wasted compute) small within each batch.
-            todo.sort(key=lambda i: len(texts[i]))
-            counts = self.count_tokens([texts[i] for i in todo])
-            for start in range(0, len(todo), self.batch_size):
-                chunk = todo[start:start + self.batch_size]
+            counts = dict(zip(todo, self.count_tokens([texts[i] for i in todo])))
+            for chunk in self._batches(todo, counts):
                 out[chunk] = self._forward([texts[i] for i in chunk])
-            for i, n in zip(todo, counts):
-                lens[i] = n
-                self._remember(texts[i], out[i].copy(), n)
+            for i in todo:
+                lens[i] = counts[i]
+                self._remember(texts[i], out[i].copy(), counts[i])
         return out, lens
+
+    def _batches(self, todo: list[int], counts: dict[int, int]) -> list[list[int]]:
+        """Texts sorted by length, cut into batches whose longest text is at most about twice
+        the shortest. One forward pass reads all ~40 MB of weights whatever its size, so short
+        texts share one (a prompt and its first line cost little more than the prompt alone);
+        long ones do not pad short ones to their length."""
+        order = sorted(todo, key=lambda i: counts[i])
+        batches: list[list[tuple[int, int]]] = []
+        for i in order:
+            n = min(counts[i], self.max_length)
+            if batches and len(batches[-1]) < self.batch_size and n <= 2 * batches[-1][0][1] + 16:
+                batches[-1].append((i, n))
+            else:
+                batches.append([(i, n)])
+        return [[i for i, _ in b] for b in batches]
 
     def _forward(self, texts: list[str]) -> np.ndarray:
         enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")

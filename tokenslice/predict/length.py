@@ -249,16 +249,15 @@ class LengthPredictor:
         normalised mean of the whole prompt's and its first line's: the first line usually holds
         the instruction ("Summarise this:", "Write a poem about ..."), which decides the answer's
         length more than the material after it (+0.02 cross-validated Spearman on Alpaca)."""
-        emb, plen = self.embedder.embed(prompts)
-        if not self.config.first_line:
-            return emb, plen
-        firsts = [p.strip().split("\n", 1)[0] for p in prompts]
-        multi = [i for i, (p, f) in enumerate(zip(prompts, firsts)) if f != p.strip()]
+        firsts = [p.strip().split("\n", 1)[0] for p in prompts] if self.config.first_line else []
+        multi = [i for i, f in enumerate(firsts) if f != prompts[i].strip()]
+        # One call, so a short prompt and its first line share one forward pass.
+        both, lens = self.embedder.embed(prompts + [firsts[i] for i in multi])
+        emb = both[:len(prompts)].copy()
         if multi:
-            head, _ = self.embedder.embed([firsts[i] for i in multi])
-            mixed = emb[multi] + head
+            mixed = emb[multi] + both[len(prompts):]
             emb[multi] = mixed / np.maximum(np.linalg.norm(mixed, axis=1, keepdims=True), 1e-12)
-        return emb, plen
+        return emb, lens[:len(prompts)]
 
     def _predict_embedded(self, emb: np.ndarray, plen: np.ndarray) -> list[Prediction]:
         cfg = self.config
