@@ -130,7 +130,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         block_size=a.block_size, slo_normalized_latency=a.slo_normalized_latency,
         starvation_limit_s=a.starvation_limit_s, mlfq_quantum_ratio=a.mlfq_quantum_ratio,
         mlfq_num_queues=a.mlfq_num_queues, dataset=a.dataset, tokenizer=a.tokenizer, io_ratio=a.io_ratio,
-        length_filter=a.length_filter, max_tokens_cap=a.max_tokens_cap, max_prompt_len=a.max_prompt_len)
+        length_filter=a.length_filter, max_tokens_cap=a.max_tokens_cap, max_prompt_len=a.max_prompt_len,
+        length_predictor=a.length_predictor)
     spec.validate()
     profile = a.profile if cost.name == a.profile else f"{a.profile} ({cost.name})"
     with tqdm(total=sweep_size(spec), desc="simulate", unit="run", file=sys.stderr, disable=a.quiet) as bar:
@@ -358,6 +359,9 @@ def add_simulation_subcommands(sub: Any) -> None:
     m.add_argument("--length-filter", action="store_true", help="vLLM's benchmark length filter")
     m.add_argument("--max-tokens-cap", type=int, default=None)
     m.add_argument("--max-prompt-len", type=int, default=None)
+    m.add_argument("--length-predictor", default=None, metavar="DIR",
+                   help="output-length predictor from `tokenslice predictor build` (srpt-predicted): each "
+                   "request is predicted from its prompt text; build it on records the workload does not draw")
     m.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
     m.add_argument("--save-requests", action="store_true",
                    help="keep per-request data in --out (for TTFT/TBT CDFs in `report`)")

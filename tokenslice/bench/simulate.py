@@ -6,16 +6,20 @@ The logic behind `tokenslice simulate`, reusable by benchmark scripts:
   engine-wide counters;
 - `fcfs_saturation_rps` measures the saturation throughput the steady-state protocol's loads are
   fractions of (the same workload, every request at t=0, under fcfs: N / makespan);
-- `run_sweep` runs every (seed, rate or load, policy) and builds the DESIGN.md results file.
+- `run_sweep` runs every (seed, rate or load, policy) and builds the DESIGN.md results file;
+- `predict_lengths` gives a workload's requests the output lengths a LengthPredictor expects
+  from their prompt text (SweepSpec.length_predictor, for srpt-predicted).
 
-No torch here: the simulator is plain Python.
+No torch here: the simulator is plain Python (a length predictor, when asked for, imports it).
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,6 +67,10 @@ class SweepSpec:
     length_filter: bool = False
     max_tokens_cap: int | None = None
     max_prompt_len: int | None = None
+    # A `tokenslice predictor build` directory: every request with prompt text gets
+    # predicted_output_tokens from it (predict_lengths). Build it on records disjoint from the
+    # ones the workload draws, or the predictions leak the outputs.
+    length_predictor: str | None = None
 
     def validate(self) -> None:
         if (self.rates is None) == (self.loads is None):
@@ -78,6 +86,9 @@ class SweepSpec:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
+        if self.length_predictor is not None and not (Path(self.length_predictor) / "predictor.json").is_file():
+            raise ValueError(f"no length predictor in {self.length_predictor!r}; build one with "
+                             "`tokenslice predictor build`")
 
     @property
     def sweep(self) -> str:
@@ -94,10 +105,51 @@ class SweepSpec:
         return cfg
 
     def make(self, seed: int, rate: float | None, cache: DatasetCache) -> list[WorkloadRequest]:
-        return make_workload(self.workload, num_requests=self.num_requests, rate=rate, cv=self.cv, seed=seed,
+        reqs = make_workload(self.workload, num_requests=self.num_requests, rate=rate, cv=self.cv, seed=seed,
                              dataset=self.dataset, tokenizer=self.tokenizer, io_ratio=self.io_ratio,
                              length_filter=self.length_filter, max_tokens_cap=self.max_tokens_cap,
                              max_prompt_len=self.max_prompt_len, cache=cache)
+        return predict_lengths(reqs, self.length_predictor) if self.length_predictor else reqs
+
+
+# ---------------------------------------------------------------- predicted output lengths
+
+_PREDICTORS: dict[str, Any] = {}  # resolved directory -> LengthPredictor, open for the process
+_PREDICTIONS: dict[tuple[str, str], int] = {}  # (directory, prompt text) -> predicted tokens
+
+
+def _predictor(path: str | Path) -> tuple[str, Any]:
+    key = str(Path(path).resolve())
+    if key not in _PREDICTORS:
+        from tokenslice.predict.length import LengthPredictor  # torch and faiss: only when asked for
+
+        try:
+            pred = LengthPredictor.load(key, background_training=False)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+        _PREDICTORS[key] = pred
+        atexit.register(pred.close)
+    return key, _PREDICTORS[key]
+
+
+def predict_lengths(requests: Sequence[WorkloadRequest], length_predictor: str | Path) -> list[WorkloadRequest]:
+    """Copies of `requests` whose predicted_output_tokens is the predictor's answer for their
+    prompt text (rounded, at least 1), as the engine predicts at arrival (ALISE §3.1). A request
+    without text (synthetic, or a prompt rescaled or truncated away from its text) or with a
+    prediction already keeps what it has; srpt-predicted then falls back to the mean output so far.
+
+    The predictor is static here: a simulated finish is not fed back (`observe`), since a
+    workload drawn with replacement repeats prompts, and learning their true lengths online would
+    leak them. So each prompt's prediction is fixed, and new prompts are predicted in one batch
+    and cached per (directory, prompt) for the life of the process."""
+    key, pred = _predictor(length_predictor)
+    todo = list(dict.fromkeys(r.prompt for r in requests if r.prompt is not None
+                              and r.predicted_output_tokens is None and (key, r.prompt) not in _PREDICTIONS))
+    if todo:
+        for text, length in zip(todo, pred.predict(todo), strict=True):
+            _PREDICTIONS[(key, text)] = max(1, round(length))
+    return [r if r.prompt is None or r.predicted_output_tokens is not None
+            else dataclasses.replace(r, predicted_output_tokens=_PREDICTIONS[(key, r.prompt)]) for r in requests]
 
 
 # ---------------------------------------------------------------- one run
@@ -149,12 +201,16 @@ def check_fits(requests: Sequence[WorkloadRequest], kv_cache_blocks: int, block_
 
 def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], sched_config: SchedulerConfig,
                  kv_cache_blocks: int, block_size: int = 16, host_kv_blocks: int | None = None,
-                 offload_dtype: str = "auto") -> tuple[list[RequestRecord], dict[str, Any]]:
+                 offload_dtype: str = "auto", length_predictor: str | Path | None = None
+                 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay a workload on the simulator: (per-request records, engine-wide counters). The host
-    tier (swap modes only) defaults to 4x the device pool."""
+    tier (swap modes only) defaults to 4x the device pool. With `length_predictor`, requests
+    without a prediction get one first (predict_lengths)."""
     from tokenslice.engine.engine import Engine  # the engine pulls in the scheduler stack: import on use
 
     check_fits(workload_requests, kv_cache_blocks, block_size)
+    if length_predictor is not None:
+        workload_requests = predict_lengths(workload_requests, length_predictor)
     host = 4 * kv_cache_blocks if host_kv_blocks is None else host_kv_blocks
     engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
                               host_kv_blocks=host, offload_dtype=offload_dtype)
@@ -292,7 +348,8 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                 "num_requests": spec.num_requests, "cv": spec.cv, "seeds": list(spec.seeds), "sweep": spec.sweep,
                 "rates": spec.rates, "loads": spec.loads, "io_ratio": spec.io_ratio,
                 "length_filter": spec.length_filter, "max_tokens_cap": spec.max_tokens_cap,
-                "max_prompt_len": spec.max_prompt_len, "prompt_mean": stats.get("prompt_mean"),
+                "max_prompt_len": spec.max_prompt_len, "length_predictor": spec.length_predictor,
+                "prompt_mean": stats.get("prompt_mean"),
                 "output_mean": stats.get("output_mean"),
                 "scheduler": {"preemption": spec.preemption, "max_batch_size": spec.max_batch_size,
                               "max_tokens_per_step": spec.max_tokens_per_step, "kv_cache_blocks": kv_blocks,
@@ -322,6 +379,6 @@ def strip_per_request(results: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["SweepSpec", "records_from_requests", "engine_counters", "check_fits", "simulate_run",
+__all__ = ["SweepSpec", "predict_lengths", "records_from_requests", "engine_counters", "check_fits", "simulate_run",
            "ample_kv_blocks", "fcfs_saturation_rps", "run_metrics", "per_request_data", "mean_by_point",
            "summary_for", "run_sweep", "sweep_size", "strip_per_request"]

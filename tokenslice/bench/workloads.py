@@ -51,6 +51,9 @@ class WorkloadRequest:
     conversation_id: str | None = None
     turn: int = 0
     prompt_token_ids: list[int] | None = None
+    # Output length a predictor expects (srpt-predicted); None: none given. Set by the simulator's
+    # SweepSpec.length_predictor, never by make_workload.
+    predicted_output_tokens: int | None = None
 
 
 @dataclass(frozen=True)
