@@ -4,6 +4,7 @@ tokens come at a known fixed pace (so the client's own timing can be checked).""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import subprocess
@@ -142,6 +143,11 @@ def test_bench_sweep_against_a_url(srv: RunningServer) -> None:
     assert results["summary"]["max_rate_censored"] == ["ours"]
     assert results["workload"]["server"]["model"] == "builtin:tiny"
     assert "ours" in format_table([results])
+    closed = run_bench(dataclasses.replace(spec, rates=None, concurrency=[1, 3], warmup_requests=0),
+                       ClientConfig(srv.base_url))
+    assert [r["concurrency"] for r in closed["runs"]] == [1, 3] and closed["workload"]["sweep"] == "concurrency"
+    assert closed["summary"]["max_concurrency_under_slo"] == {"ours": 3.0}
+    assert "concurrency" in format_table([closed]).splitlines()[0]
 
 
 # ---------------------------------------------------------------- sweep logic
