@@ -35,7 +35,7 @@ def score(pred: Sequence[float], latencies_s: Sequence[float], truth: Sequence[f
     return {"n": len(t), "spearman": spearman(p, t), "mean_abs_error": float(np.abs(p - t).mean()),
             "mean_rel_error": float((np.abs(p - t) / np.maximum(t, 1)).mean()),
             "bucket_accuracy": float(bucket.mean()), "median_latency_ms": percentile(lat_ms, 50),
-            "p99_latency_ms": percentile(lat_ms, 99)}
+            "p99_latency_ms": percentile(lat_ms, 99), "mean_latency_ms": float(np.mean(lat_ms))}
 
 
 def _timed(fn: Callable[[str], float], prompts: Sequence[str]) -> tuple[list[float], list[float]]:

@@ -153,6 +153,7 @@ class LengthPredictor:
         self.embedder = embedder
         self._store = store
         self._lock = threading.RLock()
+        self._train_lock = threading.Lock()
         self._exact = _Bank(embedder.dim)
         self._bounds = _Bank(embedder.dim)
         self._regressor: LengthRegressor | None = None
@@ -362,16 +363,17 @@ class LengthPredictor:
     def retrain(self) -> bool:
         """Train the MLP now, on this thread, on the whole history; False if there is too little
         history (fewer than min_train_records exact records) or the predictor is closing."""
-        data, max_id = self._training_set()
-        if int((~data.censored).sum()) < self.config.min_train_records:
-            return False
-        reg = LengthRegressor.fit(data, self.config.regressor, trained_on=max_id, stop=self._stop)
-        if self._stop.is_set():
-            return False
-        reg.save(self.path / REGRESSOR_FILE)
-        with self._lock:
-            self._regressor = reg
-        return True
+        with self._train_lock:  # one training at a time: they share the file they write
+            data, max_id = self._training_set()
+            if int((~data.censored).sum()) < self.config.min_train_records:
+                return False
+            reg = LengthRegressor.fit(data, self.config.regressor, trained_on=max_id, stop=self._stop)
+            if self._stop.is_set():
+                return False
+            reg.save(self.path / REGRESSOR_FILE)
+            with self._lock:
+                self._regressor = reg
+            return True
 
     def _maybe_start_training(self, force: bool = False) -> None:
         """Start a background retraining when `retrain_every` records arrived since the last one."""
