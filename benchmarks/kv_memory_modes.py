@@ -32,7 +32,7 @@ BATCH = 64
 BLOCK = 16
 DEVICE_BLOCKS = 14_000 // BLOCK
 HOST_BLOCKS = 4 * DEVICE_BLOCKS
-LOADS = [0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1]
+LOADS = [0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1, 1.2, 1.3, 1.4, 1.6]
 SEEDS = [0, 1]
 KEEP = ("mean_normalized_latency", "p95_normalized_latency", "mean_ttft", "mean_jct", "queue_s", "exec_s",
         "mean_swap_s", "swap_stall_s", "swap_out_bytes", "swap_in_bytes", "swap_ops", "recomputed_tokens",
@@ -128,16 +128,19 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=1000)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--missing-only", action="store_true", help="simulate only loads not in the results file")
     a = ap.parse_args()
     name = f"kv_memory_modes_n{a.num_requests}.json"
     if not a.report_only:
-        points = [(x, s) for x in LOADS for s in SEEDS]
+        old = read_json(name)["runs"] if a.missing_only else []
+        done = {r["load"] for r in old}
+        points = [(x, s) for x in LOADS for s in SEEDS if x not in done]
         t0 = time.perf_counter()
         with ProcessPoolExecutor(a.jobs) as pool:
             parts = list(pool.map(one_point, *zip(*points), [a.num_requests] * len(points)))
         write_json(name, {"num_requests": a.num_requests, "profile": PROFILE, "machine": machine_line(),
                           "code": code_version(), "wall_s": time.perf_counter() - t0,
-                          "runs": [r for p in parts for r in p]})
+                          "runs": old + [r for p in parts for r in p]})
     report(read_json(name))
 
 

@@ -97,3 +97,30 @@ def test_int8_offload_greedy_mostly_matches():
         assert q.engine.scheduler.swap_out_bytes > 0
     same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb))
     assert same / sum(len(t) for t in a) >= 0.8  # a behaviour check; the 200-request number is a benchmark
+
+
+def test_server_exports_swap_metrics():
+    import httpx
+    import openai
+
+    from serverkit import start_server
+
+    flags = ["--policy", "skip-join-mlfq", "--preemption", "reactive-swap", "--kv-cache-blocks", "14",
+             "--host-kv-blocks", "64", "--max-batch-size", "4", "--starvation-limit-s", "0.01",
+             "--eviction-amortization", "0", "--api-key", "k"]
+    with start_server(*flags) as srv:
+        client = openai.OpenAI(base_url=srv.url("/v1"), api_key="k")
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(i: int) -> int:
+            r = client.completions.create(model=client.models.list().data[0].id, prompt="x" * (20 + 3 * i),
+                                          max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+            return r.usage.completion_tokens
+
+        with ThreadPoolExecutor(10) as pool:
+            assert list(pool.map(one, range(10))) == [40] * 10
+        m = srv.metrics()
+        assert m["tokenslice:kv_swap_out_bytes_total"] > 0 and m["tokenslice:kv_swap_in_bytes_total"] > 0
+        assert m["tokenslice:kv_swap_ops_total"] > 0
+        assert m["tokenslice:cpu_cache_usage_perc"] == 0.0  # every swapped request came back and finished
+        assert httpx.get(srv.url("/health")).status_code == 200

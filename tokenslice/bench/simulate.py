@@ -56,6 +56,7 @@ class SweepSpec:
     offload_dtype: str = "auto"
     burst_reserve_jobs: int = 2
     burst_reserve_queues: int = 1
+    eviction_amortization: float = 16.0
     block_size: int = 16
     slo_normalized_latency: float | None = None  # None: 10x the decode iteration time
     starvation_limit_s: float | None = None
@@ -100,7 +101,8 @@ class SweepSpec:
                               mlfq_quantum_ratio=self.mlfq_quantum_ratio, mlfq_num_queues=self.mlfq_num_queues,
                               starvation_limit_s=self.starvation_limit_s, slo_normalized_latency=slo,
                               burst_reserve_jobs=self.burst_reserve_jobs,
-                              burst_reserve_queues=self.burst_reserve_queues)
+                              burst_reserve_queues=self.burst_reserve_queues,
+                              eviction_amortization=self.eviction_amortization)
         cfg.validate()
         return cfg
 
@@ -357,6 +359,7 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                               else 4 * kv_blocks, "offload_dtype": spec.offload_dtype,
                               "burst_reserve_jobs": spec.burst_reserve_jobs,
                               "burst_reserve_queues": spec.burst_reserve_queues,
+                              "eviction_amortization": spec.eviction_amortization,
                               "kv_cache_blocks_given": spec.kv_cache_blocks is not None,
                               "block_size": spec.block_size, "starvation_limit_s": spec.starvation_limit_s,
                               "mlfq_quantum_ratio": spec.mlfq_quantum_ratio,

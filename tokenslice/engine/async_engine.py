@@ -53,6 +53,9 @@ class EngineStats:
     num_preemptions: int = 0
     swap_in_bytes: int = 0
     swap_out_bytes: int = 0
+    swap_ops: int = 0
+    recomputed_tokens: int = 0
+    swap_fallbacks: int = 0
     num_steps: int = 0
     num_faults: int = 0
 
@@ -76,6 +79,8 @@ def read_stats(engine: Engine, num_faults: int = 0) -> EngineStats:
         host_blocks_total=_count(host, "num_blocks") if host is not None else 0,
         num_preemptions=sched.num_preemptions,
         swap_in_bytes=_count(sched, "swap_in_bytes"), swap_out_bytes=_count(sched, "swap_out_bytes"),
+        swap_ops=_count(sched, "num_swap_ops"), recomputed_tokens=_count(sched, "num_recomputed_tokens"),
+        swap_fallbacks=_count(sched, "num_swap_fallbacks"),
         num_steps=engine.num_steps, num_faults=num_faults)
 
 

@@ -63,6 +63,11 @@ class _StatsCollector(Collector):
         yield self._counter("tokenslice:num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions)
         yield self._counter("tokenslice:kv_swap_out_bytes", "KV bytes copied from device to host.", s.swap_out_bytes)
         yield self._counter("tokenslice:kv_swap_in_bytes", "KV bytes copied from host to device.", s.swap_in_bytes)
+        yield self._counter("tokenslice:kv_swap_ops", "Copy operations (contiguous block runs) of KV swaps.", s.swap_ops)
+        yield self._counter("tokenslice:num_recomputed_tokens", "Tokens recomputed after their KV was dropped.",
+                            s.recomputed_tokens)
+        yield self._counter("tokenslice:kv_swap_fallbacks", "Evictions that recomputed because host KV space was full.",
+                            s.swap_fallbacks)
         yield self._counter("tokenslice:engine_faults", "Engine steps that raised.", s.num_faults)
 
 
