@@ -280,6 +280,8 @@ def test_client_timing_matches_a_known_pace(paced: tuple[str, list[dict[str, Any
     m = summarize(result.records)
     assert m["mean_tbt"] == pytest.approx(TPOT_S, rel=0.1)
     assert m["mean_normalized_latency"] == pytest.approx((TTFT_S + 7 * TPOT_S) / 8, rel=0.1)
+    assert LoadClient(ClientConfig(url)).measure_decode_step(output_tokens=4, repeats=1) == pytest.approx(TPOT_S,
+                                                                                                       rel=0.1)
 
 
 def test_independent_server_failures_and_history(paced: tuple[str, list[dict[str, Any]]]) -> None:

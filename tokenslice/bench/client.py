@@ -409,16 +409,19 @@ class LoadClient:
             return [*msgs, {"role": "user", "content": text}]
         return TURN_SEPARATOR.join([s for p, a in history for s in (p, a)] + [text])
 
-    def measure_decode_step(self, output_tokens: int = 64, prompt_tokens: int = 16) -> float:
-        """Median gap between tokens of one request alone on the server: its decode iteration
-        time as a client sees it (the paper protocol's SLO is 10x this)."""
-        req = WorkloadRequest("calibrate", 0.0, None, prompt_tokens, output_tokens)
+    def measure_decode_step(self, output_tokens: int = 128, prompt_tokens: int = 16, repeats: int = 3) -> float:
+        """The decode iteration time a lone request sees: its TPOT (first to last token over the
+        gaps between them), the median of `repeats` requests sent one after another. TPOT rather
+        than the median gap, because a busy server flushes several tokens in one write and the
+        gaps inside such a burst are near zero."""
         alone = LoadClient(dataclasses.replace(self.cfg, prompt_format="synthetic", max_concurrency=None))
-        rec = alone.run([req]).records[0]
-        if not rec.ok or len(rec.tbt) < 2:
-            raise RuntimeError(f"calibration request failed: {rec.error}")
-        gaps = sorted(rec.tbt)
-        return gaps[len(gaps) // 2]
+        tpots = []
+        for i in range(repeats):
+            rec = alone.run([WorkloadRequest(f"calibrate-{i}", 0.0, None, prompt_tokens, output_tokens)]).records[0]
+            if not rec.ok or rec.tpot is None:
+                raise RuntimeError(f"calibration request failed: {rec.error}")
+            tpots.append(rec.tpot)
+        return sorted(tpots)[len(tpots) // 2]
 
 
 def wait_idle(cfg: ClientConfig, timeout_s: float = 120.0) -> bool:

@@ -141,6 +141,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    # Runs in the child before exec: the kernel sends it SIGTERM when the bench process dies,
+    # however it dies (even SIGKILL), so no server is left running without its client.
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ServerProcess:
     """`tokenslice serve` as a child process on a free loopback port; stopped with SIGTERM to its
     own PID (SIGKILL only if it does not exit). Its log goes to a temporary file, shown on failure."""
@@ -159,7 +168,8 @@ class ServerProcess:
         if spec.threads is not None:
             env["OMP_NUM_THREADS"] = str(spec.threads)
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"tokenslice-bench-{policy}-", suffix=".log")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
