@@ -91,7 +91,7 @@ def split_for(name: str, seed: int) -> tuple[list[LengthExample], list[LengthExa
 def build(dir_: Path, train: list[LengthExample], embedder: SentenceEmbedder) -> float:
     start = time.perf_counter()
     with LengthPredictor.create(dir_, embedder=embedder) as p:
-        p.seed([e.prompt for e in train], [e.output_len for e in train])
+        p.seed([e.prompt for e in train], [e.output_len for e in train], groups=[e.group for e in train])
     return time.perf_counter() - start
 
 

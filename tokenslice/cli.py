@@ -418,7 +418,8 @@ def cmd_predictor_build(a: argparse.Namespace) -> int:
     except (FileExistsError, FileNotFoundError) as e:
         raise ValueError(str(e)) from None
     with pred:
-        pred.seed([e.prompt for e in examples], [e.output_len for e in examples], tune=not a.no_tune)
+        pred.seed([e.prompt for e in examples], [e.output_len for e in examples],
+                  groups=[e.group for e in examples], tune=not a.no_tune)
         cfg = pred.config
         tuned = "" if pred.tune_score is None else f", cross-validated Spearman {pred.tune_score:.3f}"
         print(f"seeded {pred.num_records} records from {a.dataset} in {time.perf_counter() - start:.1f}s: "

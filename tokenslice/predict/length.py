@@ -114,12 +114,14 @@ class _Bank:
 
     def __init__(self, dim: int) -> None:
         self.index = faiss.IndexFlatIP(dim)
+        self.ids = _Column(np.int64)  # history row ids
         self.prompt_tokens = _Column(np.int64)
         self.output_len = _Column(np.int64)
 
-    def add(self, embeddings: np.ndarray, prompt_tokens: np.ndarray, output_len: np.ndarray) -> None:
+    def add(self, ids: np.ndarray, embeddings: np.ndarray, prompt_tokens: np.ndarray, output_len: np.ndarray) -> None:
         if len(embeddings):
             self.index.add(np.ascontiguousarray(embeddings, dtype=np.float32))
+            self.ids.extend(ids)
             self.prompt_tokens.extend(prompt_tokens)
             self.output_len.extend(output_len)
 
@@ -306,7 +308,7 @@ class LengthPredictor:
         self._append(prompts, output_lens, censored)
         self._maybe_start_training()
 
-    def _append(self, prompts: list[str], output_lens: list[int], censored: list[bool] | None) -> None:
+    def _append(self, prompts: list[str], output_lens: list[int], censored: list[bool] | None) -> list[int]:
         if censored is None:
             censored = [False] * len(prompts)
         if not len(prompts) == len(output_lens) == len(censored):
@@ -321,12 +323,11 @@ class LengthPredictor:
             self._add_to_banks(HistoryArrays(
                 ids=np.array(ids, dtype=np.int64), embeddings=emb, prompt_tokens=np.asarray(plen, dtype=np.int64),
                 output_len=np.asarray(output_lens, dtype=np.int64), censored=np.asarray(censored, dtype=bool)))
+        return ids
 
     def _add_to_banks(self, rows: HistoryArrays) -> None:
-        exact = ~rows.censored
-        self._exact.add(rows.embeddings[exact], rows.prompt_tokens[exact], rows.output_len[exact])
-        self._bounds.add(rows.embeddings[rows.censored], rows.prompt_tokens[rows.censored],
-                         rows.output_len[rows.censored])
+        for bank, mask in ((self._exact, ~rows.censored), (self._bounds, rows.censored)):
+            bank.add(rows.ids[mask], rows.embeddings[mask], rows.prompt_tokens[mask], rows.output_len[mask])
         if len(rows):
             self._max_id = max(self._max_id, int(rows.ids.max()))
 
@@ -350,7 +351,8 @@ class LengthPredictor:
     def regressor(self) -> LengthRegressor | None:
         return self._regressor
 
-    def _training_set(self) -> tuple[TrainingSet, int]:
+    def _training_set(self) -> tuple[TrainingSet, np.ndarray, int]:
+        """The whole history (exact rows, then censored ones), its row ids, and the largest id."""
         with self._lock:
             banks = (self._exact, self._bounds)
             data = TrainingSet(
@@ -358,13 +360,13 @@ class LengthPredictor:
                 prompt_tokens=np.concatenate([b.prompt_tokens.values for b in banks]),
                 output_len=np.concatenate([b.output_len.values for b in banks]),
                 censored=np.concatenate([np.zeros(len(self._exact), bool), np.ones(len(self._bounds), bool)]))
-            return data, self._max_id
+            return data, np.concatenate([b.ids.values for b in banks]), self._max_id
 
     def retrain(self) -> bool:
         """Train the MLP now, on this thread, on the whole history; False if there is too little
         history (fewer than min_train_records exact records) or the predictor is closing."""
         with self._train_lock:  # one training at a time: they share the file they write
-            data, max_id = self._training_set()
+            data, _, max_id = self._training_set()
             if int((~data.censored).sum()) < self.config.min_train_records:
                 return False
             reg = LengthRegressor.fit(data, self.config.regressor, trained_on=max_id, stop=self._stop)
@@ -405,25 +407,36 @@ class LengthPredictor:
     # ------------------------------------------------------------------ seeding and tuning
 
     def seed(self, prompts: list[str], output_lens: list[int], censored: list[bool] | None = None,
-             tune: bool = True) -> None:
+             groups: list[str] | None = None, tune: bool = True) -> None:
         """Add a dataset's records, tune k / threshold / knn_weight by cross-validation on them
-        (ALISE's Algorithm 1 knobs), and train the MLP on them — synchronously."""
+        (ALISE's Algorithm 1 knobs), and train the MLP on them — synchronously.
+
+        groups: records that belong together (the turns of one conversation) stay in one
+        cross-validation fold; otherwise a turn's own conversation would make its neighbours look
+        better than they are for a new conversation, and tuning would trust them too much."""
         self.wait_for_training()
-        self._append(prompts, output_lens, censored)
+        ids = self._append(prompts, output_lens, censored)
         if tune:
-            self.tune()
+            self.tune(dict(zip(ids, groups)) if groups is not None else None)
         self.retrain()
 
-    def tune(self) -> float | None:
+    def tune(self, group_of: dict[int, str] | None = None) -> float | None:
         """Choose k, threshold and knn_weight by K-fold cross-validation over the exact history
-        (out-of-fold neighbours and out-of-fold MLPs), save them, and return the mean Spearman."""
-        data, _ = self._training_set()
+        (out-of-fold neighbours and out-of-fold MLPs), save them, and return the mean Spearman.
+        group_of maps row ids to a group kept within one fold (default: each row alone)."""
+        data, ids, _ = self._training_set()
         exact = np.flatnonzero(~data.censored)
         folds_n = self.config.tune_folds
         if len(exact) < max(folds_n * self.config.min_train_records, 2 * max(folds_n, 2)):
             return None
-        rng = np.random.default_rng(self.config.regressor.seed)
-        folds = np.array_split(rng.permutation(exact), folds_n)
+        keys = [(group_of or {}).get(int(i), f"#{i}") for i in ids[exact]]
+        unique = list(dict.fromkeys(keys))
+        fold_of_group = dict(zip(unique, np.random.default_rng(self.config.regressor.seed)
+                                 .permutation(len(unique)) % folds_n))
+        fold = np.array([fold_of_group[k] for k in keys])
+        folds = [exact[fold == f] for f in range(folds_n)]
+        if any(len(f) == 0 for f in folds):
+            return None  # fewer groups than folds: nothing to cross-validate
         max_k = 50
         evals = []
         for f, val in enumerate(folds):
@@ -433,7 +446,7 @@ class LengthPredictor:
                               data.censored[train])
             bank = _Bank(data.embeddings.shape[1])
             keep = train[~data.censored[train]]
-            bank.add(data.embeddings[keep], data.prompt_tokens[keep], data.output_len[keep])
+            bank.add(ids[keep], data.embeddings[keep], data.prompt_tokens[keep], data.output_len[keep])
             sims, idx = bank.search(data.embeddings[val], min(max_k, len(bank)))
             logs = np.log1p(bank.output_len.values[np.maximum(idx, 0)].astype(np.float64))
             reg = LengthRegressor.fit(sub, self.config.regressor, stop=self._stop)
