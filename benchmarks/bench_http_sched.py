@@ -16,7 +16,9 @@ Rules fixed before any result was seen:
     (the paper protocol's "10x the decode iteration time", measured the way the client sees it);
   * rates = fixed fractions of fcfs's saturation throughput over HTTP on the same workload
     (all N requests sent at t = 0: N / makespan), measured first in the same run;
-  * a policy's sweep stops once it is clearly past the SLO (`tokenslice bench`'s early stop).
+  * a policy's sweep stops once it is clearly past the SLO (`tokenslice bench`'s early stop);
+  * the three servers run side by side and the policies take turns at each rate (`--interleave`),
+    so that load from other jobs on this shared box drifts over all policies alike.
 
     flock /tmp/tokenslice-bench.lock .venv/bin/python benchmarks/bench_http_sched.py [--num-requests 300] [--seed 0] \\
         | tee benchmarks/results/bench_http_sched_n300_seed0.txt
@@ -60,7 +62,8 @@ def make_profile(path: Path) -> float:
 def spec_for(workload: str, n: int, seed: int) -> BenchSpec:
     return BenchSpec(workload=workload, policies=POLICIES, rates=[1.0], num_requests=n, seed=seed,
                      dataset=str(SHARED / "data"), tokenizer=str(SHARED / "tokenizers" / "gpt2"), length_filter=True,
-                     max_prompt_len=256, max_tokens_cap=CONTEXT - 256 - 1, early_stop_factor=2.0, warmup_requests=8)
+                     max_prompt_len=256, max_tokens_cap=CONTEXT - 256 - 1, early_stop_factor=2.0, warmup_requests=8,
+                     interleave=True)
 
 
 def calibrate(server: ServerSpec, client: ClientConfig, spec: BenchSpec, cache: DatasetCache,

@@ -186,7 +186,7 @@ def test_bench_command_starts_and_stops_servers(tmp_path: Path) -> None:
     out, fig = tmp_path / "r.json", tmp_path / "r.png"
     cmd = [sys.executable, "-m", "tokenslice.cli", "bench", "--model", "builtin:tiny", "--policy", "fcfs,srpt-oracle",
            "--workload", "synthetic-zipf", "--min-len", "2", "--max-len", "16", "--rates", "20",
-           "--num-requests", "8", "--slo-normalized-latency", "1", "--warmup", "1", "--quiet",
+           "--num-requests", "8", "--slo-normalized-latency", "1", "--warmup", "1", "--quiet", "--interleave",
            "--out", str(out), "--plot", str(fig)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -296,7 +296,7 @@ def test_independent_server_failures_and_history(paced: tuple[str, list[dict[str
     assert not by_id["r30-turn1"].ok and "earlier turn" in by_id["r30-turn1"].error
     first, second = by_id["r2"], by_id["r20-turn1"]
     assert first.ok and second.ok and second.arrival >= first.finish_time
-    sent = next(b for b in received if b["prompt"].endswith("again"))
+    sent = next(b for b in received if isinstance(b["prompt"], str) and b["prompt"].endswith("again"))
     assert sent["prompt"].startswith("hi") and first.text in sent["prompt"]
     m = summarize(result.records)
     assert (m["num_requests"], m["num_failed"]) == (6, 4)

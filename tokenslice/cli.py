@@ -211,7 +211,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         cv=a.cv, seed=a.seed, dataset=a.dataset, tokenizer=tokenizer, max_tokens_cap=a.max_tokens_cap,
         max_prompt_len=a.max_prompt_len, length_filter=a.length_filter, input_len=a.input_len,
         output_len=a.output_len, min_len=a.min_len, max_len=a.max_len, slo=slo, slo_auto=slo_auto,
-        slo_attainment=a.slo_attainment, early_stop_factor=a.early_stop_factor or None, warmup_requests=a.warmup)
+        slo_attainment=a.slo_attainment, early_stop_factor=a.early_stop_factor or None, warmup_requests=a.warmup,
+        interleave=a.interleave)
     send_length = {"auto": a.model is not None, "on": True, "off": False}[a.expected_length]
     client = ClientConfig(base_url=a.url or "", model=a.served_model, api_key=a.api_key, endpoint=a.endpoint,
                           ignore_eos=not a.no_ignore_eos, send_expected_length=send_length,
@@ -300,6 +301,8 @@ def add_bench_subcommand(sub: Any) -> None:
     srv.add_argument("--profile", default=None, help="cost model the policies use (see `serve --profile`)")
     srv.add_argument("--server-threads", type=int, default=None, help="torch threads in each server")
     srv.add_argument("--server-args", default=None, help="further `serve` flags, as one quoted string")
+    srv.add_argument("--interleave", action="store_true", help="start every policy's server at once and let "
+                     "the policies take turns at each rate, so that drifting machine load hits all alike")
     b.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
     b.add_argument("--plot", default=None, help="write a PNG figure")
     b.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,6 +70,7 @@ class BenchSpec:
     slo_auto: bool = False  # normalized-latency SLO = 10x the decode step measured on the first server
     slo_attainment: float = 0.9  # share of requests that must meet TTFT/TPOT (when no normalized bound)
     early_stop_factor: float | None = 2.0  # None: run every point
+    interleave: bool = False  # all servers at once, policies taking turns at each point (drift hits all alike)
     warmup_requests: int = 4
 
     def validate(self) -> None:
@@ -269,6 +270,32 @@ def compact_records(records: Sequence[ClientRecord]) -> dict[str, Any]:
 ProgressFn = Callable[[str, int, int], None]  # (description, requests done, requests in this run)
 
 
+class _PolicySweep:
+    """One policy's way through the sweep points, and its early stop."""
+
+    def __init__(self, policy: str, spec: BenchSpec, slo: SLO) -> None:
+        self.policy = policy
+        self.spec = spec
+        self.slo = slo
+        self.client: LoadClient | None = None
+        self.history: list[float | None] = []
+        self.skipped: list[float] = []
+
+    @property
+    def done(self) -> bool:
+        return bool(self.skipped)
+
+    def run_point(self, i: int, x: float, cache: DatasetCache, tick: ProgressFn) -> dict[str, Any]:
+        assert self.client is not None, "connect the sweep to its server first"
+        run = _one_point(self.spec, self.client, self.policy, x, self.slo, cache, tick)
+        verdict = slo_value(run["metrics"], self.slo, self.spec.slo_attainment)
+        if verdict is not None and self.spec.early_stop_factor is not None:
+            self.history.append(verdict[2])
+            if clearly_past(self.history, verdict[1], self.spec.early_stop_factor):
+                self.skipped = self.spec.points[i + 1:]
+        return run
+
+
 def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None = None,
               progress: ProgressFn | None = None, cache: DatasetCache | None = None) -> dict[str, Any]:
     """Every (policy, sweep point) as a DESIGN.md results file with tool "bench".
@@ -291,25 +318,37 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
         slo = dataclasses.replace(slo, mean_normalized_latency=SLO_DECODE_FACTOR * step)
         calibration = {"decode_step_s": step, "factor": SLO_DECODE_FACTOR, "policy": spec.policies[0]}
 
+    sweeps = [_PolicySweep(policy, spec, slo) for policy in spec.policies]
     runs: list[dict[str, Any]] = []
-    skipped: dict[str, list[float]] = {}
     server_info: dict[str, Any] = {}
-    for policy in spec.policies:
-        with _server_url(server, client, policy, slo.mean_normalized_latency) as url:
-            lc = LoadClient(dataclasses.replace(client, base_url=url))
-            server_info = lc.server_info()
-            _warm_up(lc, spec.warmup_requests)
-            history: list[float | None] = []
+
+    def connect(sweep: _PolicySweep, stack: ExitStack) -> None:
+        nonlocal server_info
+        url = stack.enter_context(_server_url(server, client, sweep.policy, slo.mean_normalized_latency))
+        sweep.client = LoadClient(dataclasses.replace(client, base_url=url))
+        server_info = sweep.client.server_info()
+        _warm_up(sweep.client, spec.warmup_requests)
+
+    if spec.interleave:
+        with ExitStack() as stack:
+            for sweep in sweeps:
+                connect(sweep, stack)
             for i, x in enumerate(spec.points):
-                run = _one_point(spec, lc, policy, x, slo, cache, tick)
-                runs.append(run)
-                verdict = slo_value(run["metrics"], slo, spec.slo_attainment)
-                if verdict is None or spec.early_stop_factor is None:
-                    continue
-                history.append(verdict[2])
-                if clearly_past(history, verdict[1], spec.early_stop_factor) and i + 1 < len(spec.points):
-                    skipped[policy] = spec.points[i + 1:]
-                    break
+                k = i % len(sweeps)  # rotate who goes first, so no policy always runs after the same one
+                for sweep in sweeps[k:] + sweeps[:k]:
+                    if not sweep.done:
+                        runs.append(sweep.run_point(i, x, cache, tick))
+    else:
+        for sweep in sweeps:
+            with ExitStack() as stack:  # this policy's server stops before the next one starts
+                connect(sweep, stack)
+                for i, x in enumerate(spec.points):
+                    if sweep.done:
+                        break
+                    runs.append(sweep.run_point(i, x, cache, tick))
+    order = {p: i for i, p in enumerate(spec.policies)}
+    runs.sort(key=lambda r: (order[r["policy"]], r["rate"] if r["rate"] is not None else r["concurrency"]))
+    skipped = {sw.policy: sw.skipped for sw in sweeps if sw.skipped}
 
     wl = spec.make(None, cache)
     stats = workload_stats(wl)
