@@ -194,7 +194,6 @@ def test_history_survives_kill_9_and_reloads_identically(tmp_path: Path, seeded:
     path = copy_predictor(seeded, tmp_path / "p")
     queries = ["Describe a sunset over the mountains.", "What is 2 + 2?", "Write an essay on climate policy."]
     with LengthPredictor.load(path, embedder=embedder, background_training=False) as p:
-        before = p.predict(queries)
         base = p.num_records
     base_id = _max_id(path)
 

@@ -100,12 +100,6 @@ class HistoryStore:
                              output_len=np.array([r[2] for r in rows], dtype=np.int64),
                              censored=np.array([bool(r[3]) for r in rows], dtype=bool))
 
-    def prompts(self, ids: list[int]) -> list[str]:
-        """Prompt texts by row id (for inspection; predictions need only the embeddings)."""
-        found = dict(self._db.execute(f"SELECT id, prompt FROM records WHERE id IN ({','.join('?' * len(ids))})",
-                                      [int(i) for i in ids]).fetchall()) if ids else {}
-        return [found[i] for i in ids]
-
     def count(self) -> int:
         return int(self._db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
 
