@@ -100,9 +100,6 @@ class HistoryStore:
                              output_len=np.array([r[2] for r in rows], dtype=np.int64),
                              censored=np.array([bool(r[3]) for r in rows], dtype=bool))
 
-    def count(self) -> int:
-        return int(self._db.execute("SELECT COUNT(*) FROM records").fetchone()[0])
-
     def get_meta(self, key: str) -> Any:
         row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else json.loads(row[0])
