@@ -35,7 +35,7 @@ from typing import Any
 import faiss
 import numpy as np
 
-from tokenslice.predict.blend import BlendParams, combine, neighbour_mean, tune_blend
+from tokenslice.predict.blend import combine, neighbour_mean, tune_blend
 from tokenslice.predict.embed import SentenceEmbedder
 from tokenslice.predict.history import HistoryArrays, HistoryRow, HistoryStore
 from tokenslice.predict.regressor import LengthRegressor, RegressorConfig, TrainingSet
@@ -61,10 +61,6 @@ class PredictorConfig:
     default_length: float = 128.0  # the answer with an empty history
     tune_folds: int = 3
     regressor: RegressorConfig = field(default_factory=RegressorConfig)
-
-    @property
-    def blend(self) -> BlendParams:
-        return BlendParams(self.k, self.threshold, self.knn_weight)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
