@@ -358,7 +358,7 @@ class Sweep:
 
     def search(self, label: str, unit: float) -> None:
         """Coarse grid at quarter multiples of `unit` (fcfs's saturation) until the SLO is missed,
-        then four bisections of the first crossing: brackets of unit/64."""
+        then bisections of the first crossing down to a bracket of unit/64 (four, from the grid)."""
         k = 1
         while self.point(label, k * unit / 4) <= self.slo and k < 32:
             k += 1
@@ -371,7 +371,7 @@ class Sweep:
         if first_bad is None or first_bad == 0:
             return
         lo, hi = pts[first_bad - 1][0], pts[first_bad][0]
-        for _ in range(4):
+        while hi - lo > unit / 64 * 1.001:  # idempotent: a re-run with more variants adds no points
             mid = (lo + hi) / 2
             if self.point(label, mid) <= self.slo:
                 lo = mid
