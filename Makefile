@@ -20,5 +20,13 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
+# fcfs vs skip-join-mlfq over HTTP on the built-in model, a server each, side by side (about a
+# minute on 2 CPU cores); prints the table, writes results/demo.json and results/demo.png.
+demo: $(STAMP)
+	mkdir -p results
+	$(BIN)/tokenslice bench --model builtin:tiny --policy fcfs,skip-join-mlfq --server-threads 1 --interleave --max-batch-size 8 \
+		--workload synthetic-lognormal --input-len 32 --output-len 64 --max-len 512 --num-requests 100 \
+		--rates 10,20,30,40,60 --slo-normalized-latency auto --out results/demo.json --plot results/demo.png
+
 clean:
 	rm -rf $(VENV)
