@@ -428,7 +428,7 @@ def bench_summary(runs: Sequence[Mapping[str, Any]], spec: BenchSpec, slo: SLO,
     summary[name.replace("under_slo", "censored")] = sorted(p for p, d in detail.items() if d.censored)
     summary[name.replace("under_slo", "infeasible")] = sorted(p for p, d in detail.items() if d.infeasible)
     base = summary[name].get("fcfs")
-    if base:
+    if base and "fcfs" not in summary[name.replace("under_slo", "censored")]:  # no ratio to a lower bound
         summary[name.replace("under_slo", "ratio_vs_fcfs")] = {p: v / base for p, v in summary[name].items()}
     return summary
 
