@@ -91,6 +91,7 @@ TABLE_COLUMNS = (("mean norm s/tok", "mean_normalized_latency", 1.0), ("p95 norm
                  ("mean TTFT s", "mean_ttft", 1.0), ("p99 TTFT s", "p99_ttft", 1.0),
                  ("p99.9 TBT ms", "p999_tbt", 1e3), ("tput req/s", "throughput_rps", 1.0),
                  ("preempt", "preemptions", 1.0))
+LATE_CLIENT_S = 0.1  # bench runs whose client sent a request this late are flagged in the summary
 OPTIONAL_COLUMNS = (("SLO att.", "slo_attainment", 1.0), ("goodput req/s", "goodput_rps", 1.0),
                     ("failed", "num_failed", 1.0))
 
@@ -147,6 +148,11 @@ def format_summary(results: Sequence[Mapping[str, Any]], names: Sequence[str] | 
         for key in ("max_rate_ratio_vs_fcfs", "max_concurrency_ratio_vs_fcfs"):
             if summ.get(key):
                 out.append("  ratio to fcfs: " + ", ".join(f"{p} {v:.3g}" for p, v in summ[key].items()))
+        late = [(r["policy"], r.get("rate") or r.get("concurrency"), r["metrics"]["max_send_lag_s"])
+                for r in res["runs"] if (r["metrics"].get("max_send_lag_s") or 0.0) > LATE_CLIENT_S]
+        if late:  # a client behind its own schedule sends bursts and stamps tokens late
+            out.append(f"  client behind schedule by > {LATE_CLIENT_S:g} s at: " + ", ".join(
+                f"{p} {x:g} ({lag:.2f} s)" for p, x, lag in late))
         if summ.get("early_stopped"):
             out.append("  stopped early (past the SLO), points not run: " + "; ".join(
                 f"{p} {', '.join(f'{x:g}' for x in xs)}" for p, xs in summ["early_stopped"].items()))
