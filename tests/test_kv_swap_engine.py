@@ -42,33 +42,69 @@ def test_tokens_identical_in_every_mode_under_memory_pressure(model_and_referenc
     with LLM(path, policy=policy, preemption=preemption, kv_cache_blocks=14, max_batch_size=4,
              host_kv_blocks=64, starvation_limit_s=0.01, eviction_amortization=0.0) as llm:
         assert _run(llm, prompts) == alone
-        sched, kv = llm.engine.scheduler, llm.engine.scheduler.kv
+        kv = llm.engine.scheduler.kv
         kv.check()
         assert kv.device.num_free == 14 and kv.host.num_free == kv.host.num_blocks
         assert kv.num_in_flight == 0
-        if preemption in ("reactive-swap", "proactive-swap") and policy == "skip-join-mlfq":
-            assert sched.swap_out_bytes > 0 and sched.swap_in_bytes > 0
-            assert sched.num_recomputed_tokens == 0  # the host had room for every victim
-            runner = llm.engine.runner
-            assert runner.swap_out_bytes == sched.swap_out_bytes and runner.swap_in_bytes == sched.swap_in_bytes
 
 
-def test_host_full_falls_back_to_recompute(model_and_reference):
-    path, prompts, alone = model_and_reference
-    # Two host blocks: almost no victim fits there, so evictions recompute instead; never an error.
-    with LLM(path, policy="skip-join-mlfq", preemption="reactive-swap", kv_cache_blocks=14, max_batch_size=4,
-             host_kv_blocks=2, starvation_limit_s=0.01, eviction_amortization=0.0) as llm:
-        assert _run(llm, prompts) == alone
+# Deterministic evictions (no wall-clock starvation limit): long prompts start, then short ones
+# arrive and outrank them under fixed-priority (shorter input first), so residents must go.
+_WAVE_RNG = random.Random(1)
+LONG = [[1] + [_WAVE_RNG.randrange(3, 500) for _ in range(50)] for _ in range(6)]
+SHORT = [[1] + [_WAVE_RNG.randrange(3, 500) for _ in range(3)] for _ in range(6)]
+
+
+def _run_waves(llm: LLM) -> list[list[int]]:
+    eng = llm.engine
+    reqs = [eng.add_request(p, GREEDY) for p in LONG]
+    for _ in range(5):
+        eng.step()
+    reqs += [eng.add_request(p, GREEDY) for p in SHORT]
+    while eng.has_unfinished():
+        eng.step()
+    return [r.output_token_ids for r in reqs]
+
+
+@pytest.fixture(scope="module")
+def wave_reference(model_and_reference):
+    path = model_and_reference[0]
+    with LLM(path, max_batch_size=1) as alone:
+        return path, [alone.generate([p], GREEDY)[0].token_ids for p in LONG + SHORT]
+
+
+@pytest.mark.parametrize("preemption", ["reactive-swap", "proactive-swap"])
+def test_swaps_really_happen_and_change_nothing(wave_reference, preemption):
+    path, alone = wave_reference
+    with LLM(path, policy="fixed-priority", preemption=preemption, kv_cache_blocks=14, max_batch_size=4,
+             host_kv_blocks=64, eviction_amortization=0.0) as llm:
+        assert _run_waves(llm) == alone
+        sched, runner = llm.engine.scheduler, llm.engine.runner
+        assert sched.swap_out_bytes > 0 and sched.swap_in_bytes == sched.swap_out_bytes
+        assert sched.num_recomputed_tokens == 0  # the host had room for every victim
+        assert runner.swap_out_bytes == sched.swap_out_bytes and runner.swap_in_bytes == sched.swap_in_bytes
+        assert sched.kv.device.num_free == 14 and sched.kv.host.num_free == 64
+
+
+def test_host_full_falls_back_to_recompute(wave_reference):
+    path, alone = wave_reference
+    # Two host blocks: no victim fits there, so evictions recompute instead; never an error.
+    with LLM(path, policy="fixed-priority", preemption="reactive-swap", kv_cache_blocks=14, max_batch_size=4,
+             host_kv_blocks=2, eviction_amortization=0.0) as llm:
+        assert _run_waves(llm) == alone
         sched = llm.engine.scheduler
         assert sched.num_swap_fallbacks > 0 and sched.num_recomputed_tokens > 0
         assert sched.kv.host.num_free == 2
 
 
 def test_abort_mid_transfer_frees_both_tiers():
-    with LLM(str(STORIES), policy="skip-join-mlfq", preemption="proactive-swap", kv_cache_blocks=14,
-             max_batch_size=4, host_kv_blocks=64, starvation_limit_s=0.01, eviction_amortization=0.0) as llm:
+    with LLM(str(STORIES), policy="fixed-priority", preemption="proactive-swap", kv_cache_blocks=14,
+             max_batch_size=4, host_kv_blocks=64, eviction_amortization=0.0) as llm:
         eng = llm.engine
-        reqs = [eng.add_request(p, GREEDY) for p in _prompts(12, seed=9)]
+        reqs = [eng.add_request(p, GREEDY) for p in LONG]
+        for _ in range(5):
+            eng.step()
+        reqs += [eng.add_request(p, GREEDY) for p in SHORT]
         aborted_in_flight = 0
         while eng.has_unfinished():
             eng.step()
@@ -89,11 +125,10 @@ def test_abort_mid_transfer_frees_both_tiers():
 
 
 def test_int8_offload_greedy_mostly_matches():
-    prompts = _prompts(12, seed=11)
-    common = dict(policy="skip-join-mlfq", preemption="reactive-swap", kv_cache_blocks=14, max_batch_size=4,
-                  host_kv_blocks=64, starvation_limit_s=0.01, eviction_amortization=0.0)
+    common = dict(policy="fixed-priority", preemption="reactive-swap", kv_cache_blocks=14, max_batch_size=4,
+                  host_kv_blocks=64, eviction_amortization=0.0)
     with LLM(str(STORIES), **common) as full, LLM(str(STORIES), offload_dtype="int8", **common) as q:
-        a, b = _run(full, prompts), _run(q, prompts)
+        a, b = _run_waves(full), _run_waves(q)
         assert q.engine.scheduler.swap_out_bytes > 0
     same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb))
     assert same / sum(len(t) for t in a) >= 0.8  # a behaviour check; the 200-request number is a benchmark
@@ -120,7 +155,12 @@ def test_server_exports_swap_metrics():
         with ThreadPoolExecutor(10) as pool:
             assert list(pool.map(one, range(10))) == [40] * 10
         m = srv.metrics()
-        assert m["tokenslice:kv_swap_out_bytes_total"] > 0 and m["tokenslice:kv_swap_in_bytes_total"] > 0
-        assert m["tokenslice:kv_swap_ops_total"] > 0
-        assert m["tokenslice:cpu_cache_usage_perc"] == 0.0  # every swapped request came back and finished
+        # Whether a swap happened depends on timing here (the deterministic cases are above); what
+        # is exported must add up: everything swapped out came back, and host space is free.
+        sched = srv.engine.scheduler
+        assert m["tokenslice:kv_swap_out_bytes_total"] == sched.swap_out_bytes == sched.swap_in_bytes
+        assert m["tokenslice:kv_swap_in_bytes_total"] == sched.swap_in_bytes
+        assert m["tokenslice:kv_swap_ops_total"] == sched.num_swap_ops
+        assert m["tokenslice:kv_swap_fallbacks_total"] == 0
+        assert m["tokenslice:cpu_cache_usage_perc"] == 0.0
         assert httpx.get(srv.url("/health")).status_code == 200
