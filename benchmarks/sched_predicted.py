@@ -600,7 +600,7 @@ def real(n: int, load: float, cv: float, seed: int, profile: str) -> None:
             p.predict_one(text)
             lat.append(time.perf_counter() - t)
     step_s = float(np.mean([r["metrics"]["wall_s"] / r["metrics"]["steps"] for r in rows]))
-    write_json(f"sched_predicted_real_n{n}.json", {
+    write_json(f"sched_predicted_real_n{n}_seed{seed}.json", {
         "part": "real", "date": "2026-11-22", "machine": "2 shared CPU cores, 1 torch thread", "code": code_version(),
         "model": str(res_mod.MODEL.relative_to(SHARED.parent)), "profile": profile, "batch": res_mod.BATCH,
         "held_out_file": str(held), "predictor": str(pdir), "num_requests": n, "load": load, "cv": cv, "seed": seed,
@@ -613,14 +613,15 @@ def real(n: int, load: float, cv: float, seed: int, profile: str) -> None:
 
 
 def report_real(n: int) -> None:
-    try:
-        data = read_json(f"sched_predicted_real_n{n}.json")
-    except FileNotFoundError:
-        return
+    for path in sorted((ROOT / "benchmarks" / "results").glob(f"sched_predicted_real_n{n}_seed*.json")):
+        report_real_file(read_json(path.name), n)
+
+
+def report_real_file(data: Mapping[str, Any], n: int) -> None:
     rows = data["rows"]
     base = rows[0]["metrics"]
     q = data["predictor_quality_on_trace"]
-    print(f"\n## Real engine: stories260k, CPU 1 thread, batch {data['batch']}, Alpaca held-out, N={n}, "
+    print(f"\n## Real engine: stories260k, CPU 1 thread, batch {data['batch']}, Alpaca held-out, N={n}, seed {data['seed']}, "
           f"Gamma CV={data['cv']} at rho={data['load']} of real fcfs saturation ({data['saturation_rps']:.1f} req/s -> "
           f"{data['rate']:.1f} req/s)")
     print(f"predictions on the trace: Spearman {q['spearman']:.3f}, within 2x {q['within_2x']:.0%}; predict_one "
@@ -667,7 +668,7 @@ def main() -> None:
         report_memory(n)
     else:
         real(n, a.load, a.cv, a.seed, a.profile)
-        report_real(n)
+        report_real_file(read_json(f"sched_predicted_real_n{n}_seed{a.seed}.json"), n)
 
 
 if __name__ == "__main__":
