@@ -111,3 +111,17 @@ def test_proactive_swap_overlaps_transfers_with_compute():
     s = eng.scheduler
     assert async_moves > 0 and s.swap_in_bytes > 0 and s.num_recomputed_tokens == 0
     assert dataclasses.asdict(cfg)["burst_reserve_jobs"] == 2
+
+
+def test_a_request_that_outgrows_the_whole_pool_stops_with_length():
+    # Two blocks of 16 tokens: the request fills them and cannot grow, and nobody can be evicted.
+    for mode in PREEMPTION_MODES:
+        eng = Engine.simulated(SchedulerConfig(policy="skip-join-mlfq", preemption=mode), COST,
+                               kv_cache_blocks=2, block_size=16, host_kv_blocks=8)
+        req = eng.add_request([7] * 20, SamplingParams(max_tokens=100, ignore_eos=True))
+        for _ in range(100):
+            if not eng.has_unfinished():
+                break
+            eng.step()
+        assert req.finish_reason == "length" and len(req.output_token_ids) == 32 - 20 + 1  # the last one needs no KV
+        assert eng.scheduler.kv.device.num_free == 2

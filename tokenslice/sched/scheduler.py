@@ -259,6 +259,14 @@ class Scheduler:
         req.state = RequestState.WAITING
         plan.drop.append(req.request_id)
 
+    def _resolve_stall(self, ranked: list[Request], now: float) -> None:
+        """Nothing could run: one request holds the whole pool and cannot grow (two holders
+        would let the higher evict the lower). Stop it rather than spin; its text so far goes
+        back to the client with finish_reason 'length'."""
+        holders = [r for r in ranked if self.kv.holds(r.request_id)]
+        if len(holders) <= 1:
+            self._finish(holders[0] if holders else ranked[0], "length", now, RequestState.FINISHED)
+
     # ---- proactive swapping (FastServe §4.2) ------------------------------------------------
     def burst_reserve_blocks(self) -> int:
         """Free device blocks to keep for a burst: max(K new jobs, jobs of the top K' queues
