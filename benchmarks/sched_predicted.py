@@ -232,15 +232,20 @@ STEADY = {"sharegpt": (0.8, 0.45, {"skip-join-mlfq": 0.55, "srpt-oracle": 0.25})
           "alpaca": (0.9, 0.3, {"skip-join-mlfq": 0.33, "srpt-oracle": 0.15})}
 
 
+def ample_and_saturation(spec: Any, slo: float) -> tuple[dict[int, Any], int, dict[int, float]]:
+    """Each seed's all-at-once workload, ample KV blocks sized on them, and fcfs saturation per seed."""
+    at_once = {s: spec.make(s, None, CACHE) for s in SEEDS}
+    kv = max(ample_kv_blocks(w, spec.max_batch_size, spec.block_size) for w in at_once.values())
+    return at_once, kv, {s: fcfs_saturation_rps(COST, w, spec.scheduler_config("fcfs", slo), kv, spec.block_size)
+                for s, w in at_once.items()}
+
+
 def steady(n: int, splits: Mapping[str, Any]) -> None:
     for name, (rho, _target, _ref) in STEADY.items():
         spec = predicted_spec(name, policies=["fcfs"], loads=[rho], cv=4.0, seeds=SEEDS, num_requests=n)
         slo = 10 * COST.min_iteration_seconds()
         t0 = time.perf_counter()
-        at_once = {s: spec.make(s, None, CACHE) for s in SEEDS}
-        kv = max(ample_kv_blocks(w, spec.max_batch_size, spec.block_size) for w in at_once.values())
-        sat = {s: fcfs_saturation_rps(COST, w, spec.scheduler_config("fcfs", slo), kv, spec.block_size)
-               for s, w in at_once.items()}
+        at_once, kv, sat = ample_and_saturation(spec, slo)
         runs = []
         done = previous_runs(f"sched_predicted_steady_{name}_n{n}.json")
         for s in SEEDS:
@@ -384,10 +389,7 @@ def paper(n: int, splits: Mapping[str, Any], names: Sequence[str]) -> None:
         spec = predicted_spec(name, policies=["fcfs"], rates=[1.0], cv=1.0, seeds=SEEDS, num_requests=n)
         slo = 10 * COST.min_iteration_seconds()
         t0 = time.perf_counter()
-        at_once = {s: spec.make(s, None, CACHE) for s in SEEDS}
-        kv = max(ample_kv_blocks(w, spec.max_batch_size, spec.block_size) for w in at_once.values())
-        sat = {s: fcfs_saturation_rps(COST, w, spec.scheduler_config("fcfs", slo), kv, spec.block_size)
-               for s, w in at_once.items()}
+        at_once, kv, sat = ample_and_saturation(spec, slo)
         unit = float(np.mean(list(sat.values())))
         log(f"paper {name}: fcfs saturation {sat}, SLO {slo:.4g}")
         sweep = Sweep(spec, slo, kv, sat)
