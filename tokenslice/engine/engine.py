@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokenslice.clock import RealClock, VirtualClock
-from tokenslice.config import EngineConfig, SchedulerConfig
+from tokenslice.config import SWAP_MODES, EngineConfig, SchedulerConfig
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
@@ -83,7 +83,7 @@ class Engine:
         limit = loaded.arch.max_position_embeddings
         max_len = min(config.model.max_model_len or limit, limit)
         blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
-        swapping = config.scheduler.preemption in ("reactive-swap", "proactive-swap")
+        swapping = config.scheduler.preemption in SWAP_MODES
         host_blocks = num_host_kv_blocks(config.cache, loaded) if swapping else 0
         if swapping and host_blocks == 0:
             log.warning("preemption %s without host KV space (--swap-space-gb 0): every eviction recomputes",
@@ -141,7 +141,7 @@ class Engine:
         iteration times (and swap copy times) from the cost model instead of a model."""
         from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
 
-        swapping = config.preemption in ("reactive-swap", "proactive-swap")
+        swapping = config.preemption in SWAP_MODES
         kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0, contiguous=swapping)
         ctx = PolicyContext(config, cost)
         policy = make_policy(config.policy, ctx)

@@ -2,7 +2,7 @@
 and returns a StepPlan; after the step it records tokens and finishes requests (DESIGN.md)."""
 from __future__ import annotations
 
-from tokenslice.config import SchedulerConfig
+from tokenslice.config import SWAP_MODES, SchedulerConfig
 from tokenslice.kv.groups import copy_runs
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import BlockTransfer, SeqSlice, StepPlan, StepResult
@@ -80,7 +80,7 @@ class Scheduler:
     # ---- planning ---------------------------------------------------------------------------
     @property
     def swapping(self) -> bool:
-        return self.config.preemption in ("reactive-swap", "proactive-swap")
+        return self.config.preemption in SWAP_MODES
 
     def schedule(self, now: float) -> StepPlan:
         cfg = self.config
