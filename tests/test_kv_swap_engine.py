@@ -101,26 +101,33 @@ def test_abort_mid_transfer_frees_both_tiers():
     with LLM(str(STORIES), policy="fixed-priority", preemption="proactive-swap", kv_cache_blocks=14,
              max_batch_size=4, host_kv_blocks=64, eviction_amortization=0.0) as llm:
         eng = llm.engine
-        reqs = [eng.add_request(p, GREEDY) for p in LONG]
+        sched = eng.scheduler
+        schedule = sched.schedule
+        aborted: list[str] = []
+
+        def abort_moving(now: float):
+            # Abort requests whose copy this plan starts: after planning, before the executor
+            # copies, so the abort always lands while the transfer window is open.
+            plan = schedule(now)
+            for t in plan.async_transfers:
+                if len(aborted) < 3 and t.request_id in sched.requests:
+                    eng.abort_request(t.request_id)
+                    aborted.append(t.request_id)
+                    assert sched.kv.in_flight(t.request_id)
+            return plan
+
+        sched.schedule = abort_moving
+        for p in LONG:
+            eng.add_request(p, GREEDY)
         for _ in range(5):
             eng.step()
-        reqs += [eng.add_request(p, GREEDY) for p in SHORT]
-        aborted_in_flight = 0
-        while eng.has_unfinished():
+        for p in SHORT:
+            eng.add_request(p, GREEDY)
+        while eng.has_unfinished() or sched.kv.num_in_flight:
             eng.step()
-            kv = eng.scheduler.kv
-            for r in reqs:
-                if not r.is_finished and kv.in_flight(r.request_id) and aborted_in_flight < 3:
-                    eng.abort_request(r.request_id)
-                    aborted_in_flight += 1
-            kv.check()
-        # Copies of aborted requests complete (or are confirmed) before their blocks return.
-        for _ in range(100):
-            if not eng.scheduler.kv.num_in_flight:
-                break
-            eng.step()
-        kv = eng.scheduler.kv
-        assert aborted_in_flight > 0
+            sched.kv.check()
+        kv = sched.kv
+        assert aborted
         assert kv.num_in_flight == 0 and kv.device.num_free == 14 and kv.host.num_free == 64
 
 
