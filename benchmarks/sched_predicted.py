@@ -15,15 +15,12 @@ are re-run here: their numbers differ from sched_steady_state.py's, which draw f
 The simulator's predictor is static (SweepSpec.length_predictor, `tokenslice simulate
 --length-predictor`): predictions at arrival from the prompt text, no online updates.
 
-The length leak. Trace replay (Engine.replay, like `tokenslice bench`) sends each request with
-max_tokens = its true output length and ignore_eos, and srpt-predicted caps its prediction (and
-each doubling after a misprediction) at max_tokens: a request predicted too long is silently
-corrected to its true length. A client that does not know the answer's length sends a generous
-max_tokens, so the headline variant, `srpt-predicted`, is blind to max_tokens: its cap is the
-context left after the prompt (2,048 for OPT-13B, 512 for stories260k). The policy as the replay
-drives it is reported beside it as `srpt-predicted+maxtok`, and `srpt-predicted+truth` (the blind
-policy given the true lengths as predictions) separates the predictor's error from the policy's
-own machinery (aging, demotion), against the ideal srpt-oracle.
+No length leak: trace replay (Engine.replay, which the simulator runs) sends each request with
+max_tokens = the context left after the prompt, as a client that does not know the answer's length
+does, and ends it at its trace length as at an EOS (Request.eos_after), so srpt-predicted's cap on
+its predictions says nothing about the truth. `srpt-predicted+truth` (the policy given the true
+lengths as predictions) separates the predictor's error from the policy's own machinery (aging,
+demotion), against the ideal srpt-oracle.
 
     .venv/bin/python benchmarks/sched_predicted.py prepare                      # ~5 min, niced
     nice -n 19 .venv/bin/python benchmarks/sched_predicted.py steady [--num-requests 8000]
@@ -45,7 +42,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +54,6 @@ from tokenslice.bench.metrics import SLO, results_file, run_entry
 from tokenslice.bench.simulate import SweepSpec, ample_kv_blocks, fcfs_saturation_rps, predict_lengths, run_metrics, \
     simulate_run
 from tokenslice.bench.workloads import WorkloadRequest
-from tokenslice.sched.speculative import SpeculativeSRPTPolicy
 
 WORK = Path("/tmp/tokenslice-predicted")
 GPT2 = SHARED / "tokenizers" / "gpt2"
@@ -67,21 +63,20 @@ SPLITS = {
     "alpaca": ("alpaca_4500.json", 500, WORK / "alpaca-train4000"),
     "sharegpt": ("sharegpt_multiturn_800.json", 200, WORK / "sharegpt-train593"),
 }
-OPT_CONTEXT = 2048  # OPT-13B's context: the blind cap (the length filter keeps prompt + output <= 2048)
 SEEDS = [0, 1]
 
-# label -> (policy, how, SchedulerConfig changes): "plain" runs the workload as is; "blind" caps
-# srpt-predicted at the context instead of max_tokens; "truth" is blind with predictions = true
-# output lengths. `aging0` (srpt_aging = 0, pure SRPT on predictions) is a diagnostic of what the
-# default virtual aging costs, not a tuned setting.
+# label -> (policy, how, SchedulerConfig changes): "plain" runs the workload as is; "truth" sets
+# the predictions to the true output lengths. The `agingX` rows (srpt_aging = X; 0 is pure SRPT on
+# predictions) show what the default virtual aging (0.1) trades, mean against tail: not tuned settings.
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "fcfs": ("fcfs", "plain", {}),
     "skip-join-mlfq": ("skip-join-mlfq", "plain", {}),
     "srpt-oracle": ("srpt-oracle", "plain", {}),
-    "srpt-predicted": ("srpt-predicted", "blind", {}),
-    "srpt-predicted+maxtok": ("srpt-predicted", "plain", {}),
+    "srpt-predicted": ("srpt-predicted", "plain", {}),
     "srpt-predicted+truth": ("srpt-predicted", "truth", {}),
-    "srpt-predicted+aging0": ("srpt-predicted", "blind", {"srpt_aging": 0.0}),
+    "srpt-predicted+aging0": ("srpt-predicted", "plain", {"srpt_aging": 0.0}),
+    "srpt-predicted+aging0.01": ("srpt-predicted", "plain", {"srpt_aging": 0.01}),
+    "srpt-predicted+aging0.03": ("srpt-predicted", "plain", {"srpt_aging": 0.03}),
     "srpt-predicted+truth+aging0": ("srpt-predicted", "truth", {"srpt_aging": 0.0}),
 }
 
@@ -131,18 +126,6 @@ def prepare() -> dict[str, Any]:
 
 # ---------------------------------------------------------------- variants
 
-@contextlib.contextmanager
-def blind_to_max_tokens(context: int) -> Iterator[None]:
-    """srpt-predicted without the replay's max_tokens (= the true length): predictions and their
-    doublings are capped only by the context left after the prompt."""
-    orig = SpeculativeSRPTPolicy._cap
-    SpeculativeSRPTPolicy._cap = lambda self, req: max(1, context - req.num_prompt_tokens)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        SpeculativeSRPTPolicy._cap = orig  # type: ignore[method-assign]
-
-
 def variant_workload(wl: Sequence[WorkloadRequest], how: str) -> list[WorkloadRequest]:
     if how == "truth":
         return [dataclasses.replace(r, predicted_output_tokens=r.output_len) for r in wl]
@@ -150,16 +133,15 @@ def variant_workload(wl: Sequence[WorkloadRequest], how: str) -> list[WorkloadRe
 
 
 def run_variant(label: str, wl: Sequence[WorkloadRequest], spec: SweepSpec, slo: float, kv_blocks: int, *,
-                context: int = OPT_CONTEXT, preemption: str | None = None, host_blocks: int | None = None,
+                preemption: str | None = None, host_blocks: int | None = None,
                 offload_dtype: str = "auto") -> tuple[dict[str, Any], float]:
     policy, how, changes = VARIANTS[label]
     cfg = dataclasses.replace(spec.scheduler_config(policy, slo), **changes)
     if preemption is not None:
         cfg = dataclasses.replace(cfg, preemption=preemption)
     t0 = time.perf_counter()
-    with blind_to_max_tokens(context) if how != "plain" else contextlib.nullcontext():
-        records, counters = simulate_run(COST, variant_workload(wl, how), cfg, kv_blocks, spec.block_size,
-                                         host_blocks, offload_dtype)
+    records, counters = simulate_run(COST, variant_workload(wl, how), cfg, kv_blocks, spec.block_size,
+                                     host_blocks, offload_dtype)
     m = run_metrics(records, counters, slo)
     m["by_output_len"] = by_output_len(records)
     return m, time.perf_counter() - t0
@@ -267,7 +249,7 @@ def steady(n: int, splits: Mapping[str, Any]) -> None:
         res["benchmark"] = {"part": "steady", "load": rho, "split": splits.get(name), "code": code_version(),
                             "date": "2026-11-22", "wall_s": time.perf_counter() - t0,
                             "command": cli_command(spec, ["fcfs", "skip-join-mlfq", "srpt-oracle", "srpt-predicted"],
-                                                   f"--loads {rho:g}") + "   # srpt-predicted there is the +maxtok variant"}
+                                                   f"--loads {rho:g}")}
         write_json(f"sched_predicted_steady_{name}_n{n}.json", res)
 
 
@@ -329,8 +311,9 @@ def report_steady(n: int) -> None:
 
 # ---------------------------------------------------------------- paper protocol
 
-PAPER_VARIANTS = ["fcfs", "skip-join-mlfq", "srpt-oracle", "srpt-predicted", "srpt-predicted+maxtok",
-                  "srpt-predicted+truth", "srpt-predicted+aging0", "srpt-predicted+truth+aging0"]
+PAPER_VARIANTS = ["fcfs", "skip-join-mlfq", "srpt-oracle", "srpt-predicted",
+                  "srpt-predicted+truth", "srpt-predicted+aging0", "srpt-predicted+aging0.01", "srpt-predicted+aging0.03",
+                  "srpt-predicted+truth+aging0"]
 
 
 class Sweep:
@@ -532,7 +515,7 @@ def report_memory(n: int) -> None:
 
 # ---------------------------------------------------------------- real engine
 
-REAL_VARIANTS = ["fcfs", "skip-join-mlfq", "srpt-oracle", "srpt-predicted", "srpt-predicted+maxtok",
+REAL_VARIANTS = ["fcfs", "skip-join-mlfq", "srpt-oracle", "srpt-predicted",
                  "srpt-predicted+aging0"]
 
 
@@ -581,10 +564,9 @@ def real(n: int, load: float, cv: float, seed: int, profile: str) -> None:
         eng = Engine.from_config(EngineConfig(
             model=ModelConfig(model=str(res_mod.MODEL), dtype="float32"), cache=CacheConfig(kv_cache_blocks=blocks),
             scheduler=SchedulerConfig(policy=policy, max_batch_size=res_mod.BATCH, **changes), profile=profile))
-        with blind_to_max_tokens(res_mod.CONTEXT) if how != "plain" else contextlib.nullcontext():
-            t = time.perf_counter()
-            reqs = eng.replay(variant_workload(tr, how))
-            wall = time.perf_counter() - t
+        t = time.perf_counter()
+        reqs = eng.replay(variant_workload(tr, how))
+        wall = time.perf_counter() - t
         eng.close()
         m = summarize(records_from_requests(reqs))
         m["steps"], m["wall_s"] = eng.num_steps, wall

@@ -51,7 +51,7 @@ def fingerprint(reqs: list[Request]) -> list[tuple]:
 def test_every_request_finishes_and_memory_is_returned(policy, blocks, preemption):
     items = trace(60, seed=1)
     eng, reqs = simulate(policy, items, blocks, preemption, starvation_limit_s=2.0)
-    assert all(r.finish_reason == "length" and r.num_output_tokens == it.output_len for r, it in zip(reqs, items))
+    assert all(r.finish_reason == "stop" and r.num_output_tokens == it.output_len for r, it in zip(reqs, items))
     assert eng.scheduler.kv.device.num_free == blocks
     assert not eng.scheduler.requests
 

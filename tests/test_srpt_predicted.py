@@ -164,7 +164,7 @@ def test_ten_times_too_short_predictions_still_finish_everything_without_starvat
                                  ("10x short", lambda it: max(1, it.output_len // 10), default),
                                  ("10x short, no aging", lambda it: max(1, it.output_len // 10), 0.0)):
         eng, reqs = simulate(with_predictions(items, predict), srpt_aging=aging)
-        assert all(r.finish_reason == "length" and r.num_output_tokens == it.output_len
+        assert all(r.finish_reason == "stop" and r.num_output_tokens == it.output_len
                    for r, it in zip(reqs, items))
         assert not eng.scheduler.requests
         runs[name] = (eng.scheduler.policy.num_demotions, p99([r.metrics.e2e for r in reqs]))

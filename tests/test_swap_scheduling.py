@@ -46,9 +46,10 @@ ops = st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "step", "step", "s
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(mode=st.sampled_from(PREEMPTION_MODES), device=st.integers(12, 30), host=st.integers(0, 60), ops=ops)
-def test_random_lifecycles_keep_every_invariant(mode, device, host, ops):
-    eng = _checked_engine(mode, device, host)
+@given(mode=st.sampled_from(PREEMPTION_MODES), device=st.integers(12, 30), host=st.integers(0, 60), ops=ops,
+       policy=st.sampled_from(["skip-join-mlfq", "srpt-predicted"]))
+def test_random_lifecycles_keep_every_invariant(mode, device, host, ops, policy):
+    eng = _checked_engine(mode, device, host, policy)
     live: list[str] = []
     for i, (op, a, b) in enumerate(ops):
         if op == "arrive":
@@ -125,3 +126,20 @@ def test_a_request_that_outgrows_the_whole_pool_stops_with_length():
             eng.step()
         assert req.finish_reason == "length" and len(req.output_token_ids) == 32 - 20 + 1  # the last one needs no KV
         assert eng.scheduler.kv.device.num_free == 2
+
+
+def test_proactive_uploads_only_the_jobs_the_device_can_keep():
+    # ALISE Algorithm 2: with room for 3 x 100 tokens (block 4, reserve 0), srpt-predicted keeps
+    # the top 3 by predicted peak KV (prompt 20 + predicted 78-80); host jobs ranked past them stay.
+    eng = Engine.simulated(SchedulerConfig(policy="srpt-predicted", preemption="proactive-swap", srpt_aging=0.0),
+                           COST, kv_cache_blocks=75, block_size=4, host_kv_blocks=200)
+    reqs = [eng.add_request([7] * 20, SamplingParams(max_tokens=500, ignore_eos=True), request_id=f"r{i}",
+                            predicted_output_tokens=78 + i) for i in range(6)]
+    sched = eng.scheduler
+    assert sched.policy.device_job_limit(75 * 4, 0.0) == 3
+    kept = sched._within_device_job_limit(list(reversed(reqs)), 0, 0.0)
+    assert sorted(r.request_id for r in kept) == ["r0", "r1", "r2"]
+    # Without a limit (skip-join-mlfq) every host job is a candidate, in ENST order.
+    mlfq = Engine.simulated(SchedulerConfig(policy="skip-join-mlfq", preemption="proactive-swap"), COST,
+                            kv_cache_blocks=75, block_size=4, host_kv_blocks=200).scheduler
+    assert mlfq._within_device_job_limit(reqs, 0, 0.0) == reqs

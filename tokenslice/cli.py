@@ -49,6 +49,9 @@ def _add_burst_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction-amortization", type=float, default=16.0,
                    help="anti-thrashing: a job whose KV was just loaded is not evicted for another load "
                         "until its service reached this many times the load's cost (0: off)")
+    p.add_argument("--srpt-aging", type=float, default=SchedulerConfig.srpt_aging,
+                   help="srpt-predicted virtual aging: seconds of predicted work each second of waiting "
+                        "cancels (0: pure SRPT; larger: closer to FCFS, shorter tails)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -63,7 +66,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
                                   slo_normalized_latency=a.slo_normalized_latency,
                                   burst_reserve_jobs=a.burst_reserve_jobs,
                                   burst_reserve_queues=a.burst_reserve_queues,
-                                  eviction_amortization=a.eviction_amortization,
+                                  eviction_amortization=a.eviction_amortization, srpt_aging=a.srpt_aging,
                                   length_predictor=a.length_predictor),
         profile=a.profile)
 
@@ -131,7 +134,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         max_batch_size=a.max_batch_size, max_tokens_per_step=a.max_tokens_per_step,
         kv_cache_blocks=a.kv_cache_blocks, host_kv_blocks=a.host_kv_blocks, offload_dtype=a.offload_dtype,
         burst_reserve_jobs=a.burst_reserve_jobs, burst_reserve_queues=a.burst_reserve_queues,
-        eviction_amortization=a.eviction_amortization,
+        eviction_amortization=a.eviction_amortization, srpt_aging=a.srpt_aging,
         block_size=a.block_size, slo_normalized_latency=a.slo_normalized_latency,
         starvation_limit_s=a.starvation_limit_s, mlfq_quantum_ratio=a.mlfq_quantum_ratio,
         mlfq_num_queues=a.mlfq_num_queues, dataset=a.dataset, tokenizer=a.tokenizer, io_ratio=a.io_ratio,

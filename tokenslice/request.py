@@ -101,6 +101,10 @@ class Request:
         self.state = RequestState.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.max_total_tokens: int | None = None  # context limit, set by the engine
+        # A trace replay's end of answer: the request stops ("stop") after this many output tokens,
+        # as if the model sampled EOS there. Replays set it instead of max_tokens = the trace length,
+        # which would hand every policy that reads max_tokens the answer's length. Policies never read it.
+        self.eos_after: int | None = None
         self.finish_reason: str | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 

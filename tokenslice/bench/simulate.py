@@ -57,6 +57,7 @@ class SweepSpec:
     burst_reserve_jobs: int = 2
     burst_reserve_queues: int = 1
     eviction_amortization: float = 16.0
+    srpt_aging: float = SchedulerConfig.srpt_aging
     block_size: int = 16
     slo_normalized_latency: float | None = None  # None: 10x the decode iteration time
     starvation_limit_s: float | None = None
@@ -102,7 +103,7 @@ class SweepSpec:
                               starvation_limit_s=self.starvation_limit_s, slo_normalized_latency=slo,
                               burst_reserve_jobs=self.burst_reserve_jobs,
                               burst_reserve_queues=self.burst_reserve_queues,
-                              eviction_amortization=self.eviction_amortization)
+                              eviction_amortization=self.eviction_amortization, srpt_aging=self.srpt_aging)
         cfg.validate()
         return cfg
 
@@ -360,6 +361,7 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                               "burst_reserve_jobs": spec.burst_reserve_jobs,
                               "burst_reserve_queues": spec.burst_reserve_queues,
                               "eviction_amortization": spec.eviction_amortization,
+                              "srpt_aging": spec.srpt_aging,
                               "kv_cache_blocks_given": spec.kv_cache_blocks is not None,
                               "block_size": spec.block_size, "starvation_limit_s": spec.starvation_limit_s,
                               "mlfq_quantum_ratio": spec.mlfq_quantum_ratio,

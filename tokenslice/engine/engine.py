@@ -168,7 +168,7 @@ class Engine:
                     request_id: str | None = None, arrival_time: float | None = None,
                     user: str | None = None, priority: int = 0,
                     expected_output_tokens: int | None = None,
-                    predicted_output_tokens: int | None = None) -> Request:
+                    predicted_output_tokens: int | None = None, eos_after: int | None = None) -> Request:
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenize(prompt)
@@ -182,6 +182,7 @@ class Engine:
                       predicted_output_tokens=predicted_output_tokens,
                       eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None)
         req.max_total_tokens = self.max_model_len
+        req.eos_after = eos_after
         if self.length_predictor is not None and self.tokenizer is not None:
             self._predict_length(req, prompt)
         self.scheduler.add(req, self.clock.now())
@@ -306,7 +307,9 @@ class Engine:
 
     def replay(self, trace: list[TraceItem], *, on_finish: Any = None) -> list[Request]:
         """Run a workload trace: each request arrives at its time (clock-relative to the start)
-        and generates exactly its output length. Returns the requests, finished, in trace order.
+        and generates exactly its output length, then stops as at an EOS (`Request.eos_after`);
+        max_tokens is the context left, as a client that does not know the answer's length sends.
+        Returns the requests, finished, in trace order.
 
         On a VirtualClock idle gaps are skipped; on a real clock the loop sleeps until the next
         arrival. `on_finish(req)` is called as each request finishes.
@@ -320,12 +323,14 @@ class Engine:
             while i < len(items) and start + items[i].arrival_time <= now:
                 item = items[i]
                 ids = getattr(item, "prompt_token_ids", None) or [0] * max(1, item.prompt_len)
-                params = SamplingParams(max_tokens=max(1, item.output_len), temperature=0.0, ignore_eos=True)
+                params = SamplingParams(max_tokens=max(1, self.max_model_len - len(ids)), temperature=0.0,
+                                        ignore_eos=True)
                 reqs[item.request_id] = self.add_request(
                     ids, params, request_id=item.request_id, arrival_time=start + item.arrival_time,
                     user=getattr(item, "user", None), priority=getattr(item, "priority", 0) or 0,
                     expected_output_tokens=item.output_len,
-                    predicted_output_tokens=getattr(item, "predicted_output_tokens", None))
+                    predicted_output_tokens=getattr(item, "predicted_output_tokens", None),
+                    eos_after=max(1, item.output_len))
                 i += 1
             if not self.has_unfinished():
                 self._wait_until(start + items[i].arrival_time)

@@ -1,7 +1,7 @@
 """SimulatedExecutor: runs no model; each step costs what the CostModel says (DESIGN.md).
 
-Sampled tokens are a placeholder id: simulated requests end by their max_tokens (the
-trace's output length), as serving papers replay datasets.
+Sampled tokens are a placeholder id: simulated requests end at the trace's output length
+(`Request.eos_after`, a simulated EOS), as serving papers replay datasets.
 
 KV swaps cost bytes / host-link bandwidth plus a per-copy overhead (one copy per contiguous
 run of blocks). Synchronous swaps add to the step; asynchronous ones queue on the link, one

@@ -73,6 +73,9 @@ class Policy(Protocol):
     # the same effect as calling on_step once per step.
     #   def stable_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> int
     #   def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None
+    # Optional, for proactive swapping (ALISE Algorithm 2): how many top-ranked jobs a device
+    # with room for `capacity_tokens` KV tokens can keep until they finish; only those are uploaded.
+    #   def device_job_limit(self, capacity_tokens: int, now: float) -> int
 
 
 POLICY_NAMES = ("fcfs", "request-level", "mlfq", "fixed-priority", "skip-join-mlfq",

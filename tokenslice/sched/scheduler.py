@@ -2,6 +2,8 @@
 and returns a StepPlan; after the step it records tokens and finishes requests (DESIGN.md)."""
 from __future__ import annotations
 
+import itertools
+
 from tokenslice.config import SWAP_MODES, SchedulerConfig
 from tokenslice.kv.groups import copy_runs
 from tokenslice.kv.manager import KVManager
@@ -323,10 +325,24 @@ class Scheduler:
                 offloaded = True
         if offloaded or not on_host:
             return  # memory is tight: uploading now would only be offloaded again
+        on_host = self._within_device_job_limit(on_host, target, now)
         on_host.sort(key=lambda r: enst.get(r.request_id, 0.0))
         for r in on_host:
             if kv.device.num_free - len(kv.host_blocks(r.request_id)) >= target:
                 self._move(r, "in", plan, sync=False)
+
+    def _within_device_job_limit(self, on_host: list[Request], reserve: int, now: float) -> list[Request]:
+        """ALISE Algorithm 2: upload only jobs among the top-ranked ones the device can keep until
+        they finish (the policy's device_job_limit, by predicted peak KV, over the pool above the
+        burst reserve); a job past it would only be offloaded again as the ones ahead grow.
+        Policies without a limit upload in ENST order alone."""
+        limit_of = getattr(self.policy, "device_job_limit", None)
+        if limit_of is None or not on_host:
+            return on_host
+        kv = self.kv
+        limit = limit_of((kv.device.num_blocks - reserve) * kv.block_size, now)
+        keep = {r.request_id for r in itertools.islice(self.policy.ranked(now), limit)}
+        return [r for r in on_host if r.request_id in keep]
 
     # ---- after the step ---------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult, now: float) -> list[Request]:
@@ -395,6 +411,8 @@ class Scheduler:
         for r in reqs:
             n_out = len(r.output_token_ids)
             k = min(k, r.params.max_tokens - n_out)
+            if r.eos_after is not None:
+                k = min(k, r.eos_after - n_out)
             if r.max_total_tokens is not None:
                 k = min(k, r.max_total_tokens - len(r.prompt_token_ids) - n_out)
         if k <= 0:
@@ -436,11 +454,11 @@ class Scheduler:
             m.attained_service_s = service
             req.output_token_ids.extend(new_tokens)
             m.token_times.extend(ends)
-        self.policy.on_steps(reqs, durations, ends)  # type: ignore[attr-defined]
-        for req in reqs:
+        for req in reqs:  # finishes first, then the policy's charge, as in a single step
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self._finish(req, reason, ends[-1], RequestState.FINISHED)
+        self.policy.on_steps(reqs, durations, ends)  # type: ignore[attr-defined]
 
     @staticmethod
     def _stop_reason(req: Request, tok: int) -> str | None:
@@ -450,6 +468,8 @@ class Scheduler:
             if not p.ignore_eos and tok == req.eos_token_id:
                 return "stop"
             if p.stop_token_ids and tok in p.stop_token_ids:
+                return "stop"
+            if req.eos_after is not None and n >= req.eos_after:
                 return "stop"
         if n >= p.max_tokens:
             return "length"
