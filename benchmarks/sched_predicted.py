@@ -516,7 +516,7 @@ def report_memory(n: int) -> None:
 # ---------------------------------------------------------------- real engine
 
 REAL_VARIANTS = ["fcfs", "skip-join-mlfq", "srpt-oracle", "srpt-predicted",
-                 "srpt-predicted+aging0"]
+                 "srpt-predicted+aging0", "srpt-predicted+aging0.01"]
 
 
 def real(n: int, load: float, cv: float, seed: int, profile: str) -> None:

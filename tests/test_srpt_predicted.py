@@ -184,3 +184,27 @@ def test_event_skipping_is_exact(blocks, preemption, noise):
     _, stepwise = simulate(items, blocks, preemption, fast_forward=False)
     eng, skipped = simulate(items, blocks, preemption, fast_forward=True)
     assert fingerprint(skipped) == fingerprint(stepwise)
+
+
+def test_a_replay_does_not_hand_the_policy_the_true_length():
+    # The trace ends each answer like an EOS; max_tokens is the context left, so a prediction 10x
+    # too long is not silently cut to the truth (it would be if max_tokens were the trace length).
+    items = [PredictedItem("long-guess", 0.0, 30, 20, predicted_output_tokens=200),
+             PredictedItem("other", 0.0, 30, 40, predicted_output_tokens=40)]
+    eng = Engine.simulated(SchedulerConfig(policy="srpt-predicted", max_batch_size=1, srpt_aging=0.0), COST,
+                           kv_cache_blocks=1000)
+    seen = {}
+    step = eng.scheduler.policy.on_step
+
+    def spy(ran, secs, now):
+        for r in ran:
+            seen.setdefault(r.request_id, eng.scheduler.policy.predicted.get(r.request_id))
+        step(ran, secs, now)
+
+    eng.scheduler.policy.on_step = spy
+    reqs = eng.replay(items)
+    assert [r.finish_reason for r in reqs] == ["stop", "stop"]
+    assert [r.num_output_tokens for r in reqs] == [20, 40]
+    assert reqs[0].params.max_tokens == eng.max_model_len - 30
+    assert seen["long-guess"] == 200  # ranked by its own (wrong) prediction ...
+    assert reqs[1].metrics.finish_time < reqs[0].metrics.finish_time  # ... so the 40-token job ran first
