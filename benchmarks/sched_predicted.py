@@ -67,7 +67,7 @@ SEEDS = [0, 1]
 
 # label -> (policy, how, SchedulerConfig changes): "plain" runs the workload as is; "truth" sets
 # the predictions to the true output lengths. The `agingX` rows (srpt_aging = X; 0 is pure SRPT on
-# predictions) show what the default virtual aging (0.1) trades, mean against tail: not tuned settings.
+# predictions) show what virtual aging trades, mean against the longest jobs' latency (default 0.01).
 VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "fcfs": ("fcfs", "plain", {}),
     "skip-join-mlfq": ("skip-join-mlfq", "plain", {}),
@@ -75,8 +75,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "srpt-predicted": ("srpt-predicted", "plain", {}),
     "srpt-predicted+truth": ("srpt-predicted", "truth", {}),
     "srpt-predicted+aging0": ("srpt-predicted", "plain", {"srpt_aging": 0.0}),
-    "srpt-predicted+aging0.01": ("srpt-predicted", "plain", {"srpt_aging": 0.01}),
     "srpt-predicted+aging0.03": ("srpt-predicted", "plain", {"srpt_aging": 0.03}),
+    "srpt-predicted+aging0.1": ("srpt-predicted", "plain", {"srpt_aging": 0.1}),
     "srpt-predicted+truth+aging0": ("srpt-predicted", "truth", {"srpt_aging": 0.0}),
 }
 
@@ -312,7 +312,7 @@ def report_steady(n: int) -> None:
 # ---------------------------------------------------------------- paper protocol
 
 PAPER_VARIANTS = ["fcfs", "skip-join-mlfq", "srpt-oracle", "srpt-predicted",
-                  "srpt-predicted+truth", "srpt-predicted+aging0", "srpt-predicted+aging0.01", "srpt-predicted+aging0.03",
+                  "srpt-predicted+truth", "srpt-predicted+aging0", "srpt-predicted+aging0.03", "srpt-predicted+aging0.1",
                   "srpt-predicted+truth+aging0"]
 
 
@@ -516,7 +516,7 @@ def report_memory(n: int) -> None:
 # ---------------------------------------------------------------- real engine
 
 REAL_VARIANTS = ["fcfs", "skip-join-mlfq", "srpt-oracle", "srpt-predicted",
-                 "srpt-predicted+aging0", "srpt-predicted+aging0.01"]
+                 "srpt-predicted+aging0", "srpt-predicted+aging0.1"]
 
 
 def real(n: int, load: float, cv: float, seed: int, profile: str) -> None:

@@ -209,10 +209,10 @@ class SpeculativeSRPTPolicy:
         return queue_position_estimates(ranked, self._rem, self.ctx.max_batch_size)
 
     def device_job_limit(self, capacity_tokens: int, now: float) -> int:
-        """ALISE Algorithm 2's device job limit, as a hint: how many of the top-ranked jobs the
-        device can keep until they finish, by predicted peak KV (prompt + predicted output).
-        Jobs ranked past the limit are the candidates to offload (largest EWT first); at least
-        one, so the head always fits on its own."""
+        """ALISE Algorithm 2's device job limit: how many of the top-ranked jobs the device can
+        keep until they finish, by predicted peak KV (prompt + predicted output). proactive-swap
+        uploads only jobs within it (Scheduler._within_device_job_limit); the rest wait on host,
+        and offloads take the largest EWT first. At least one, so the head always fits alone."""
         used, n = 0, 0
         for k in self._keys:
             req = self._live[k[3]]
