@@ -26,6 +26,7 @@ demotion), against the ideal srpt-oracle.
     nice -n 19 .venv/bin/python benchmarks/sched_predicted.py steady [--num-requests 8000]
     nice -n 19 .venv/bin/python benchmarks/sched_predicted.py paper  [--num-requests 2000]
     nice -n 19 .venv/bin/python benchmarks/sched_predicted.py memory [--num-requests 1000]
+    nice -n 19 .venv/bin/python benchmarks/sched_predicted.py aging  [--num-requests 8000]
     flock /tmp/tokenslice-bench.lock .venv/bin/python benchmarks/sched_predicted.py real [--num-requests 2000]
     .venv/bin/python benchmarks/sched_predicted.py report                       # tables from results/
 
@@ -617,11 +618,62 @@ def report_real_file(data: Mapping[str, Any], n: int) -> None:
                      fmt(r["metrics"]["p95_normalized_latency"])] for r in rows]))
 
 
+# ---------------------------------------------------------------- aging off the target cells
+
+AGING_VALUES = [0.0, 0.003, 0.01, 0.03, 0.1, 0.3]
+AGING_CELLS = [(1.0, 0.9), (2.0, 0.8)]  # (arrival CV, load): Poisson and moderately bursty
+
+
+def aging(n: int) -> None:
+    """srpt_aging against mean and tail on cells that are not the issue's targets (Poisson at 0.9,
+    Gamma CV 2 at 0.8), both datasets: the evidence for the default, apart from the CV 4 cells."""
+    runs = []
+    for name in SPLITS:
+        for cv, rho in AGING_CELLS:
+            spec = predicted_spec(name, policies=["fcfs"], loads=[rho], cv=cv, seeds=SEEDS, num_requests=n)
+            slo = 10 * COST.min_iteration_seconds()
+            _, kv, sat = ample_and_saturation(spec, slo)
+            for s in SEEDS:
+                wl = spec.make(s, rho * sat[s], CACHE)
+                for value in [None, *AGING_VALUES]:
+                    policy = "fcfs" if value is None else "srpt-predicted"
+                    cfg = dataclasses.replace(spec.scheduler_config(policy, slo), srpt_aging=value or 0.0)
+                    records, counters = simulate_run(COST, wl, cfg, kv, spec.block_size)
+                    m = run_metrics(records, counters, slo)
+                    runs.append({"dataset": name, "cv": cv, "load": rho, "seed": s, "policy": policy,
+                                 "srpt_aging": value, **{k: m[k] for k in ("mean_normalized_latency",
+                                 "p95_normalized_latency", "p99_normalized_latency", "p99_jct")}})
+                    log(f"  {name} cv={cv:g} rho={rho:g} seed={s} {policy} aging={value}: "
+                        f"mean norm {m['mean_normalized_latency']:.4g}")
+    write_json(f"sched_predicted_aging_n{n}.json", {"part": "aging", "date": "2026-11-22", "code": code_version(),
+                                                    "num_requests": n, "runs": runs})
+
+
+def report_aging(n: int) -> None:
+    try:
+        runs = read_json(f"sched_predicted_aging_n{n}.json")["runs"]
+    except FileNotFoundError:
+        return
+    print(f"\n## srpt_aging off the target cells (N={n}, seeds {SEEDS}): seed means; mean normalized latency "
+          "vs fcfs, p99 normalized latency (s/token), p99 job time (s)")
+    rows = []
+    for name in SPLITS:
+        for cv, rho in AGING_CELLS:
+            def pick(value: float | None, key: str) -> float:
+                return float(np.mean([r[key] for r in runs if (r["dataset"], r["cv"], r["load"], r["srpt_aging"])
+                                      == (name, cv, rho, value)]))
+            base = pick(None, "mean_normalized_latency")
+            rows.append([f"{name} CV={cv:g} rho={rho:g}"] + [
+                f"{pick(v, 'mean_normalized_latency') / base:.3f} / {pick(v, 'p99_normalized_latency'):.3g} / "
+                f"{pick(v, 'p99_jct'):.0f}" for v in AGING_VALUES])
+    print(md_table(["cell"] + [f"aging {v:g}" for v in AGING_VALUES], rows))
+
+
 # ---------------------------------------------------------------- main
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=["prepare", "steady", "paper", "memory", "real", "report"])
+    ap.add_argument("part", choices=["prepare", "steady", "paper", "memory", "aging", "real", "report"])
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--datasets", default="sharegpt,alpaca", help="paper protocol: which datasets")
     ap.add_argument("--load", type=float, default=0.8, help="real: fraction of the real fcfs saturation")
@@ -630,10 +682,10 @@ def main() -> None:
     ap.add_argument("--profile", default=str(ROOT / "benchmarks" / "results" / "real_engine_sched.profile.json"),
                     help="real: the cost profile the policies use (real_engine_sched.py fits it on this machine)")
     a = ap.parse_args()
-    n_default = {"steady": 8000, "paper": 2000, "memory": 1000, "real": 2000}
+    n_default = {"steady": 8000, "paper": 2000, "memory": 1000, "aging": 8000, "real": 2000}
     if a.part == "report":
         for part, fn in (("steady", report_steady), ("paper", report_paper), ("memory", report_memory),
-                         ("real", report_real)):
+                         ("aging", report_aging), ("real", report_real)):
             fn(a.num_requests or n_default[part])
         return
     splits = prepare()
@@ -650,6 +702,9 @@ def main() -> None:
     elif a.part == "memory":
         memory(n, splits)
         report_memory(n)
+    elif a.part == "aging":
+        aging(n)
+        report_aging(n)
     else:
         real(n, a.load, a.cv, a.seed, a.profile)
         report_real_file(read_json(f"sched_predicted_real_n{n}_seed{a.seed}.json"), n)
