@@ -27,10 +27,10 @@ demotion), against the ideal srpt-oracle.
     nice -n 19 .venv/bin/python benchmarks/sched_predicted.py paper  [--num-requests 2000]
     nice -n 19 .venv/bin/python benchmarks/sched_predicted.py memory [--num-requests 1000]
     nice -n 19 .venv/bin/python benchmarks/sched_predicted.py aging  [--num-requests 8000]
-    flock /tmp/tokenslice-bench.lock .venv/bin/python benchmarks/sched_predicted.py real [--num-requests 2000]
+    flock /tmp/tokenslice-bench.lock .venv/bin/python benchmarks/sched_predicted.py real [--seed 0] [--repeats 3]
     .venv/bin/python benchmarks/sched_predicted.py report                       # tables from results/
 
-Results: benchmarks/results/sched_predicted_{steady,paper,memory,real}*.json.
+Results: benchmarks/results/sched_predicted_{steady,paper,memory,aging,real}*.json.
 """
 from __future__ import annotations
 
@@ -520,7 +520,10 @@ REAL_VARIANTS = ["fcfs", "skip-join-mlfq", "srpt-oracle", "srpt-predicted",
                  "srpt-predicted+aging0", "srpt-predicted+aging0.1"]
 
 
-def real(n: int, load: float, cv: float, seed: int, profile: str) -> None:
+def real(n: int, load: float, cv: float, seed: int, profile: str, repeats: int) -> None:
+    """Every variant `repeats` times on one trace, round-robin so that a drift in this shared
+    machine's speed lands on all variants alike; the tables report medians and ranges. One run is
+    not enough at this load: a 20% slower machine puts rho = 0.8 near 1."""
     import torch
 
     import real_engine_sched as res_mod
@@ -555,24 +558,32 @@ def real(n: int, load: float, cv: float, seed: int, profile: str) -> None:
     rate = load * sat
     log(f"real fcfs saturation {sat:.1f} req/s; rho={load} -> {rate:.1f} req/s, CV={cv}")
     tr = trace(rate)
-    rows = []
+    runs = []
     from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from tokenslice.engine.engine import Engine
 
-    for label in REAL_VARIANTS:
-        policy, how, changes = VARIANTS[label]
-        # real_engine_sched.real_engine, with the variant's scheduler changes.
-        eng = Engine.from_config(EngineConfig(
-            model=ModelConfig(model=str(res_mod.MODEL), dtype="float32"), cache=CacheConfig(kv_cache_blocks=blocks),
-            scheduler=SchedulerConfig(policy=policy, max_batch_size=res_mod.BATCH, **changes), profile=profile))
-        t = time.perf_counter()
-        reqs = eng.replay(variant_workload(tr, how))
-        wall = time.perf_counter() - t
-        eng.close()
-        m = summarize(records_from_requests(reqs))
-        m["steps"], m["wall_s"] = eng.num_steps, wall
-        rows.append({"policy": label, "metrics": m})
-        log(f"  {label:22s} mean norm {m['mean_normalized_latency']:.5f} s/tok, TTFT {m['mean_ttft']:.4f} s ({wall:.1f} s)")
+    for rep in range(repeats):
+        for label in REAL_VARIANTS:
+            policy, how, changes = VARIANTS[label]
+            # real_engine_sched.real_engine, with the variant's scheduler changes.
+            eng = Engine.from_config(EngineConfig(
+                model=ModelConfig(model=str(res_mod.MODEL), dtype="float32"),
+                cache=CacheConfig(kv_cache_blocks=blocks),
+                scheduler=SchedulerConfig(policy=policy, max_batch_size=res_mod.BATCH, **changes), profile=profile))
+            t = time.perf_counter()
+            reqs = eng.replay(variant_workload(tr, how))
+            wall = time.perf_counter() - t
+            eng.close()
+            m = summarize(records_from_requests(reqs))
+            # Execute time per step shows the machine's speed during this run.
+            m["steps"], m["wall_s"], m["execute_ms_per_step"] = eng.num_steps, wall, \
+                1e3 * eng.timings.execute_s / max(1, eng.num_steps)
+            runs.append({"policy": label, "repeat": rep, "metrics": m})
+            log(f"  [{rep}] {label:22s} mean norm {m['mean_normalized_latency']:.5f} s/tok, TTFT {m['mean_ttft']:.4f} s, "
+                f"{m['execute_ms_per_step']:.2f} ms/step ({wall:.1f} s)")
+    rows = [{"policy": label, "metrics": {k: float(np.median([r["metrics"][k] for r in runs if r["policy"] == label]))
+                                          for k in runs[0]["metrics"] if isinstance(runs[0]["metrics"][k], (int, float))}}
+            for label in REAL_VARIANTS]
     # What predicting inline would cost: one prompt at a time on this thread, the embedder cache off.
     from tokenslice.predict.embed import SentenceEmbedder
 
@@ -584,7 +595,7 @@ def real(n: int, load: float, cv: float, seed: int, profile: str) -> None:
             t = time.perf_counter()
             p.predict_one(text)
             lat.append(time.perf_counter() - t)
-    step_s = float(np.mean([r["metrics"]["wall_s"] / r["metrics"]["steps"] for r in rows]))
+    step_s = float(np.mean([r["metrics"]["wall_s"] / r["metrics"]["steps"] for r in runs]))
     write_json(f"sched_predicted_real_n{n}_seed{seed}.json", {
         "part": "real", "date": "2026-11-22", "machine": "2 shared CPU cores, 1 torch thread", "code": code_version(),
         "model": str(res_mod.MODEL.relative_to(SHARED.parent)), "profile": profile, "batch": res_mod.BATCH,
@@ -592,9 +603,10 @@ def real(n: int, load: float, cv: float, seed: int, profile: str) -> None:
         "saturation_rps": sat, "rate": rate, "kv_blocks": blocks, "predictor_quality_on_trace": quality,
         "predict_one_latency_ms": {"median": 1e3 * float(np.median(lat)), "p90": 1e3 * float(np.quantile(lat, 0.9)),
                                    "n": len(lat)},
-        "mean_step_ms": 1e3 * step_s, "rows": rows,
+        "mean_step_ms": 1e3 * step_s, "repeats": repeats, "rows_are": "per-metric medians over the repeats",
+        "rows": rows, "runs": runs,
         "command": "flock /tmp/tokenslice-bench.lock .venv/bin/python benchmarks/sched_predicted.py real "
-                   f"--num-requests {n} --load {load} --cv {cv} --seed {seed}"})
+                   f"--num-requests {n} --load {load} --cv {cv} --seed {seed} --repeats {repeats}"})
 
 
 def report_real(n: int) -> None:
@@ -611,11 +623,23 @@ def report_real_file(data: Mapping[str, Any], n: int) -> None:
           f"{data['rate']:.1f} req/s)")
     print(f"predictions on the trace: Spearman {q['spearman']:.3f}, within 2x {q['within_2x']:.0%}; predict_one "
           f"median {data['predict_one_latency_ms']['median']:.1f} ms vs mean engine step {data['mean_step_ms']:.2f} ms\n")
-    print(md_table(["policy", "mean norm s/tok", "vs fcfs", "mean TTFT s", "vs fcfs", "p95 norm s/tok"],
+    runs = data.get("runs", [])
+    if runs:
+        print(f"medians of {data['repeats']} interleaved runs per variant; range: each run's mean over fcfs's median\n")
+
+    def spread(label: str) -> str:
+        vals = [r["metrics"]["mean_normalized_latency"] / base["mean_normalized_latency"]
+                for r in runs if r["policy"] == label]
+        return f"{min(vals):.3f}-{max(vals):.3f}" if vals else ""
+
+    print(md_table(["policy", "mean norm s/tok", "vs fcfs", "range", "mean TTFT s", "vs fcfs", "p95 norm s/tok",
+                    "execute ms/step"],
                    [[r["policy"], fmt(r["metrics"]["mean_normalized_latency"]),
                      f"**{r['metrics']['mean_normalized_latency'] / base['mean_normalized_latency']:.3f}**",
-                     fmt(r["metrics"]["mean_ttft"]), fmt(r["metrics"]["mean_ttft"] / base["mean_ttft"], 3),
-                     fmt(r["metrics"]["p95_normalized_latency"])] for r in rows]))
+                     spread(r["policy"]), fmt(r["metrics"]["mean_ttft"]),
+                     fmt(r["metrics"]["mean_ttft"] / base["mean_ttft"], 3),
+                     fmt(r["metrics"]["p95_normalized_latency"]),
+                     fmt(r["metrics"].get("execute_ms_per_step", float("nan")), 3)] for r in rows]))
 
 
 # ---------------------------------------------------------------- aging off the target cells
@@ -679,6 +703,7 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.8, help="real: fraction of the real fcfs saturation")
     ap.add_argument("--cv", type=float, default=4.0, help="real: arrival CV")
     ap.add_argument("--seed", type=int, default=0, help="real: workload seed")
+    ap.add_argument("--repeats", type=int, default=3, help="real: interleaved runs of every variant")
     ap.add_argument("--profile", default=str(ROOT / "benchmarks" / "results" / "real_engine_sched.profile.json"),
                     help="real: the cost profile the policies use (real_engine_sched.py fits it on this machine)")
     a = ap.parse_args()
@@ -706,7 +731,7 @@ def main() -> None:
         aging(n)
         report_aging(n)
     else:
-        real(n, a.load, a.cv, a.seed, a.profile)
+        real(n, a.load, a.cv, a.seed, a.profile, a.repeats)
         report_real_file(read_json(f"sched_predicted_real_n{n}_seed{a.seed}.json"), n)
 
 
