@@ -28,9 +28,10 @@ demotion), against the ideal srpt-oracle.
     nice -n 19 .venv/bin/python benchmarks/sched_predicted.py memory [--num-requests 1000]
     nice -n 19 .venv/bin/python benchmarks/sched_predicted.py aging  [--num-requests 8000]
     flock /tmp/tokenslice-bench.lock .venv/bin/python benchmarks/sched_predicted.py real [--seed 0] [--repeats 3]
+    nice -n 19 .venv/bin/python benchmarks/sched_predicted.py twin [--seed 0]   # the real trace, simulated
     .venv/bin/python benchmarks/sched_predicted.py report                       # tables from results/
 
-Results: benchmarks/results/sched_predicted_{steady,paper,memory,aging,real}*.json.
+Results: benchmarks/results/sched_predicted_{steady,paper,memory,aging,real,twin}*.json.
 """
 from __future__ import annotations
 
@@ -520,6 +521,21 @@ REAL_VARIANTS = ["fcfs", "skip-join-mlfq", "srpt-oracle", "srpt-predicted",
                  "srpt-predicted+aging0", "srpt-predicted+aging0.1"]
 
 
+def real_workload(n: int, rate: float | None, cv: float, seed: int) -> list[WorkloadRequest]:
+    """real_engine_sched.workload's lengths on the held-out Alpaca records, predicted from the text."""
+    from tokenslice.bench.workloads import make_workload
+
+    reqs = make_workload("alpaca", num_requests=n, rate=rate, cv=cv, seed=seed, dataset=held_out_file("alpaca"),
+                         tokenizer=GPT2, length_filter=True, max_prompt_len=256, max_tokens_cap=255, cache=CACHE)
+    return predict_lengths(reqs, SPLITS["alpaca"][2])
+
+
+def as_token_ids(reqs: Sequence[WorkloadRequest]) -> list[WorkloadRequest]:
+    """As real_engine_sched.workload: prompts become token ids of the stated length."""
+    return [dataclasses.replace(r, prompt=None, prompt_token_ids=[1] + [100 + (i % 300) for i in range(r.prompt_len - 1)])
+            for r in reqs]
+
+
 def real(n: int, load: float, cv: float, seed: int, profile: str, repeats: int) -> None:
     """Every variant `repeats` times on one trace, round-robin so that a drift in this shared
     machine's speed lands on all variants alike; the tables report medians and ranges. One run is
@@ -536,16 +552,10 @@ def real(n: int, load: float, cv: float, seed: int, profile: str, repeats: int) 
     held, pdir = held_out_file("alpaca"), SPLITS["alpaca"][2]
 
     def with_text(rate: float | None) -> list[WorkloadRequest]:
-        # real_engine_sched.workload's lengths on the held-out Alpaca records, predicted from the text.
-        reqs = make_workload("alpaca", num_requests=n, rate=rate, cv=cv, seed=seed, dataset=held, tokenizer=GPT2,
-                             length_filter=True, max_prompt_len=256, max_tokens_cap=255, cache=CACHE)
-        return predict_lengths(reqs, pdir)
+        return real_workload(n, rate, cv, seed)
 
     def trace(rate: float | None) -> list[WorkloadRequest]:
-        # Then, as real_engine_sched.workload, prompts become token ids of the stated length.
-        return [dataclasses.replace(r, prompt=None,
-                                    prompt_token_ids=[1] + [100 + (i % 300) for i in range(r.prompt_len - 1)])
-                for r in with_text(rate)]
+        return as_token_ids(with_text(rate))
 
     blocks = res_mod.ample_blocks(n)
     burst = trace(None)
@@ -642,6 +652,49 @@ def report_real_file(data: Mapping[str, Any], n: int) -> None:
                      fmt(r["metrics"].get("execute_ms_per_step", float("nan")), 3)] for r in rows]))
 
 
+def twin(n: int, load: float, cv: float, seed: int, profile: str) -> None:
+    """The real part's trace on the simulator, with the cost profile the policies use standing in
+    for the machine, at `load` of the simulated fcfs saturation: what the policies do on this
+    trace without the shared machine's speed swings (the simulator's max_model_len is unbounded,
+    the real engine's 512, which only caps doubled predictions)."""
+    import real_engine_sched as res_mod
+    from tokenslice.config import SchedulerConfig
+    from tokenslice.predict.cost import load_cost_model
+
+    cost = load_cost_model(profile)
+    blocks = res_mod.ample_blocks(n)
+    sat = fcfs_saturation_rps(cost, as_token_ids(real_workload(n, None, cv, seed)),
+                              SchedulerConfig(policy="fcfs", max_batch_size=res_mod.BATCH), blocks)
+    tr = as_token_ids(real_workload(n, load * sat, cv, seed))
+    rows = []
+    for label in REAL_VARIANTS:
+        policy, how, changes = VARIANTS[label]
+        cfg = SchedulerConfig(policy=policy, max_batch_size=res_mod.BATCH, **changes)
+        records, counters = simulate_run(cost, variant_workload(tr, how), cfg, blocks)
+        m = run_metrics(records, counters, 10 * cost.min_iteration_seconds())
+        rows.append({"policy": label, "metrics": {k: v for k, v in m.items() if isinstance(v, (int, float))}})
+        log(f"  twin {label:22s} mean norm {m['mean_normalized_latency']:.5f} s/tok")
+    write_json(f"sched_predicted_twin_n{n}_seed{seed}.json", {
+        "part": "twin", "date": "2026-11-22", "code": code_version(), "profile": profile, "batch": res_mod.BATCH,
+        "num_requests": n, "load": load, "cv": cv, "seed": seed, "saturation_rps": sat, "rate": load * sat,
+        "kv_blocks": blocks, "rows": rows,
+        "command": f"nice -n 19 .venv/bin/python benchmarks/sched_predicted.py twin --num-requests {n} --seed {seed}"})
+
+
+def report_twin(n: int) -> None:
+    for path in sorted((ROOT / "benchmarks" / "results").glob(f"sched_predicted_twin_n{n}_seed*.json")):
+        data = read_json(path.name)
+        base = data["rows"][0]["metrics"]
+        print(f"\n## Simulated twin of the real part: profile {Path(data['profile']).name}, N={n}, seed {data['seed']}, "
+              f"Gamma CV={data['cv']} at rho={data['load']} of simulated fcfs saturation ({data['saturation_rps']:.1f} "
+              f"req/s -> {data['rate']:.1f} req/s)\n")
+        print(md_table(["policy", "mean norm s/tok", "vs fcfs", "mean TTFT vs fcfs", "p95 norm s/tok"],
+                       [[r["policy"], fmt(r["metrics"]["mean_normalized_latency"]),
+                         f"**{r['metrics']['mean_normalized_latency'] / base['mean_normalized_latency']:.3f}**",
+                         fmt(r["metrics"]["mean_ttft"] / base["mean_ttft"], 3),
+                         fmt(r["metrics"]["p95_normalized_latency"])] for r in data["rows"]]))
+
+
 # ---------------------------------------------------------------- aging off the target cells
 
 AGING_VALUES = [0.0, 0.003, 0.01, 0.03, 0.1, 0.3]
@@ -697,7 +750,7 @@ def report_aging(n: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=["prepare", "steady", "paper", "memory", "aging", "real", "report"])
+    ap.add_argument("part", choices=["prepare", "steady", "paper", "memory", "aging", "real", "twin", "report"])
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--datasets", default="sharegpt,alpaca", help="paper protocol: which datasets")
     ap.add_argument("--load", type=float, default=0.8, help="real: fraction of the real fcfs saturation")
@@ -707,10 +760,10 @@ def main() -> None:
     ap.add_argument("--profile", default=str(ROOT / "benchmarks" / "results" / "real_engine_sched.profile.json"),
                     help="real: the cost profile the policies use (real_engine_sched.py fits it on this machine)")
     a = ap.parse_args()
-    n_default = {"steady": 8000, "paper": 2000, "memory": 1000, "aging": 8000, "real": 2000}
+    n_default = {"steady": 8000, "paper": 2000, "memory": 1000, "aging": 8000, "real": 2000, "twin": 2000}
     if a.part == "report":
         for part, fn in (("steady", report_steady), ("paper", report_paper), ("memory", report_memory),
-                         ("aging", report_aging), ("real", report_real)):
+                         ("aging", report_aging), ("real", report_real), ("twin", report_twin)):
             fn(a.num_requests or n_default[part])
         return
     splits = prepare()
@@ -730,6 +783,9 @@ def main() -> None:
     elif a.part == "aging":
         aging(n)
         report_aging(n)
+    elif a.part == "twin":
+        twin(n, a.load, a.cv, a.seed, a.profile)
+        report_twin(n)
     else:
         real(n, a.load, a.cv, a.seed, a.profile, a.repeats)
         report_real_file(read_json(f"sched_predicted_real_n{n}_seed{a.seed}.json"), n)
