@@ -16,6 +16,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -52,10 +53,11 @@ def ample_blocks(n: int) -> int:
     return n * CONTEXT // 16
 
 
-def real_engine(policy: str, profile: str | None, blocks: int) -> Engine:
+def real_engine(policy: str, profile: str | None, blocks: int, **scheduler_changes: Any) -> Engine:
     cfg = EngineConfig(model=ModelConfig(model=str(MODEL), dtype="float32"),
                        cache=CacheConfig(kv_cache_blocks=blocks),
-                       scheduler=SchedulerConfig(policy=policy, max_batch_size=BATCH), profile=profile)
+                       scheduler=SchedulerConfig(policy=policy, max_batch_size=BATCH, **scheduler_changes),
+                       profile=profile)
     return Engine.from_config(cfg)
 
 

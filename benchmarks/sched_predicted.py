@@ -551,15 +551,10 @@ def real(n: int, load: float, cv: float, seed: int, profile: str, repeats: int) 
     torch.set_num_threads(1)
     held, pdir = held_out_file("alpaca"), SPLITS["alpaca"][2]
 
-    def with_text(rate: float | None) -> list[WorkloadRequest]:
-        return real_workload(n, rate, cv, seed)
-
-    def trace(rate: float | None) -> list[WorkloadRequest]:
-        return as_token_ids(with_text(rate))
-
     blocks = res_mod.ample_blocks(n)
-    burst = trace(None)
-    quality = predictor_quality(with_text(None))
+    at_once = real_workload(n, None, cv, seed)
+    burst = as_token_ids(at_once)
+    quality = predictor_quality(at_once)
     eng = res_mod.real_engine("fcfs", profile, blocks)
     t = time.perf_counter()
     eng.replay(burst)
@@ -567,19 +562,12 @@ def real(n: int, load: float, cv: float, seed: int, profile: str, repeats: int) 
     eng.close()
     rate = load * sat
     log(f"real fcfs saturation {sat:.1f} req/s; rho={load} -> {rate:.1f} req/s, CV={cv}")
-    tr = trace(rate)
+    tr = as_token_ids(real_workload(n, rate, cv, seed))
     runs = []
-    from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from tokenslice.engine.engine import Engine
-
     for rep in range(repeats):
         for label in REAL_VARIANTS:
             policy, how, changes = VARIANTS[label]
-            # real_engine_sched.real_engine, with the variant's scheduler changes.
-            eng = Engine.from_config(EngineConfig(
-                model=ModelConfig(model=str(res_mod.MODEL), dtype="float32"),
-                cache=CacheConfig(kv_cache_blocks=blocks),
-                scheduler=SchedulerConfig(policy=policy, max_batch_size=res_mod.BATCH, **changes), profile=profile))
+            eng = res_mod.real_engine(policy, profile, blocks, **changes)
             t = time.perf_counter()
             reqs = eng.replay(variant_workload(tr, how))
             wall = time.perf_counter() - t
