@@ -32,10 +32,10 @@ def run(offload_dtype: str, prompts: list[list[int]]) -> tuple[list[list[int]], 
         reqs = [eng.add_request(p, PARAMS) for p in prompts]
         while eng.has_unfinished():
             eng.step()
-        s = eng.scheduler
+        s = eng.scheduler.stats
         stats = {"wall_s": time.perf_counter() - t0, "swap_out_bytes": s.swap_out_bytes,
                  "swap_in_bytes": s.swap_in_bytes, "swapped_requests": sum(1 for r in reqs if r.metrics.swaps),
-                 "recomputed_tokens": s.num_recomputed_tokens}
+                 "recomputed_tokens": s.recomputed_tokens}
         return [r.output_token_ids for r in reqs], stats
 
 

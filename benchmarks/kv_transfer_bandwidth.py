@@ -140,11 +140,11 @@ def measure(threads: int, reps: int) -> dict[str, object]:
         n_runs = len(copy_runs(pairs))
         host = full.host[0]
         for direction, dst, src, prs in (("out", host, full.kv, pairs), ("in", full.kv, host, back)):
-            ops0 = full.swap_ops
+            ops0 = full.copy_calls
             full.swap(prs, direction)
             row(name, n_runs, direction, "per-block-per-layer", MOVE * 2 * 8,
                 lambda: per_block_per_layer(dst, src, prs), max(3, reps // 3))
-            row(name, n_runs, direction, "per-run", full.swap_ops - ops0, lambda: full.swap(prs, direction), reps)
+            row(name, n_runs, direction, "per-run", full.copy_calls - ops0, lambda: full.swap(prs, direction), reps)
             row(name, n_runs, direction, "batched gather", 2, Gather(dst, src, prs), reps)
         for direction, prs in (("out", pairs), ("in", back)):
             row(name, n_runs, direction, "int8 per-run", 3 * n_runs, lambda: int8.swap(prs, direction),

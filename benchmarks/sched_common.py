@@ -25,7 +25,8 @@ from tokenslice.bench.simulate import SweepSpec, ample_kv_blocks, fcfs_saturatio
     run_metrics, simulate_run, summary_for
 from tokenslice.bench.workloads import DatasetCache
 from tokenslice.predict.cost import load_cost_model
-from tokenslice.sched.policy import PolicyContext, make_policy
+from tokenslice.sched.policy import PolicyContext
+from tokenslice.sched.registry import make_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

@@ -80,9 +80,10 @@ def test_swaps_really_happen_and_change_nothing(wave_reference, preemption):
              host_kv_blocks=64, eviction_amortization=0.0) as llm:
         assert _run_waves(llm) == alone
         sched, runner = llm.engine.scheduler, llm.engine.runner
-        assert sched.swap_out_bytes > 0 and sched.swap_in_bytes == sched.swap_out_bytes
-        assert sched.num_recomputed_tokens == 0  # the host had room for every victim
-        assert runner.swap_out_bytes == sched.swap_out_bytes and runner.swap_in_bytes == sched.swap_in_bytes
+        stats = sched.stats
+        assert stats.swap_out_bytes > 0 and stats.swap_in_bytes == stats.swap_out_bytes
+        assert stats.recomputed_tokens == 0  # the host had room for every victim
+        assert runner.copied_out_bytes == stats.swap_out_bytes and runner.copied_in_bytes == stats.swap_in_bytes
         assert sched.kv.device.num_free == 14 and sched.kv.host.num_free == 64
 
 
@@ -93,7 +94,7 @@ def test_host_full_falls_back_to_recompute(wave_reference):
              host_kv_blocks=2, eviction_amortization=0.0) as llm:
         assert _run_waves(llm) == alone
         sched = llm.engine.scheduler
-        assert sched.num_swap_fallbacks > 0 and sched.num_recomputed_tokens > 0
+        assert sched.stats.swap_fallbacks > 0 and sched.stats.recomputed_tokens > 0
         assert sched.kv.host.num_free == 2
 
 
@@ -136,7 +137,7 @@ def test_int8_offload_greedy_mostly_matches():
                   host_kv_blocks=64, eviction_amortization=0.0)
     with LLM(str(STORIES), **common) as full, LLM(str(STORIES), offload_dtype="int8", **common) as q:
         a, b = _run_waves(full), _run_waves(q)
-        assert q.engine.scheduler.swap_out_bytes > 0
+        assert q.engine.scheduler.stats.swap_out_bytes > 0
     same = sum(x == y for ta, tb in zip(a, b) for x, y in zip(ta, tb))
     assert same / sum(len(t) for t in a) >= 0.8  # a behaviour check; the 200-request number is a benchmark
 
@@ -164,10 +165,10 @@ def test_server_exports_swap_metrics():
         m = srv.metrics()
         # Whether a swap happened depends on timing here (the deterministic cases are above); what
         # is exported must add up: everything swapped out came back, and host space is free.
-        sched = srv.engine.scheduler
-        assert m["tokenslice:kv_swap_out_bytes_total"] == sched.swap_out_bytes == sched.swap_in_bytes
-        assert m["tokenslice:kv_swap_in_bytes_total"] == sched.swap_in_bytes
-        assert m["tokenslice:kv_swap_ops_total"] == sched.num_swap_ops
+        stats = srv.engine.scheduler.stats
+        assert m["tokenslice:kv_swap_out_bytes_total"] == stats.swap_out_bytes == stats.swap_in_bytes
+        assert m["tokenslice:kv_swap_in_bytes_total"] == stats.swap_in_bytes
+        assert m["tokenslice:kv_swap_ops_total"] == stats.swap_ops
         assert m["tokenslice:kv_swap_fallbacks_total"] == 0
         assert m["tokenslice:cpu_cache_usage_perc"] == 0.0
         assert httpx.get(srv.url("/health")).status_code == 200

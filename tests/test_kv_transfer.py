@@ -166,7 +166,7 @@ def test_sync_swap_round_trip_is_bit_identical(loaded: LoadedModel) -> None:
     host = [9, 8, 2, 3, 4, 5]  # reversed then contiguous: several runs
     res = r.execute(StepPlan(swap_out=list(zip(a.table, host))))
     assert res.sampled == {} and res.transfer_seconds > 0 and res.step_seconds >= res.transfer_seconds
-    assert r.swap_out_bytes == 6 * r.block_bytes and r.swap_ops == len(copy_runs(list(zip(a.table, host))))
+    assert r.copied_out_bytes == 6 * r.block_bytes and r.copy_calls == len(copy_runs(list(zip(a.table, host))))
 
     # Another request reuses the freed device blocks: real KV writes over them, then noise.
     b = Seq("b", [0, 1, 2, 3, 4, 5])
@@ -177,7 +177,7 @@ def test_sync_swap_round_trip_is_bit_identical(loaded: LoadedModel) -> None:
     a.table = [15, 14, 10, 11, 12, 13]  # different device blocks, again several runs
     r.execute(StepPlan(swap_in=list(zip(host, a.table))))
     assert torch.equal(r.kv[:, :, a.table], kv_before)
-    assert r.swap_in_bytes == 6 * r.block_bytes
+    assert r.copied_in_bytes == 6 * r.block_bytes
     _run(r, a, STEPS - 5)
     assert a.generated == expected
 
@@ -222,7 +222,7 @@ def test_async_transfers_overlap_compute_and_round_trip(loaded: LoadedModel) -> 
     _run(r, a, STEPS - 6)
     _run(r, b, STEPS - 5)
     assert a.generated == expected and b.generated == expected
-    assert r.swap_out_bytes == r.swap_in_bytes == 6 * r.block_bytes
+    assert r.copied_out_bytes == r.copied_in_bytes == 6 * r.block_bytes
     threads = list(r._engine._threads)  # type: ignore[union-attr]
     LocalExecutor(r).close()
     assert not any(t.is_alive() for t in threads)
@@ -244,7 +244,7 @@ def test_empty_plan_waits_for_a_pending_transfer_instead_of_spinning(loaded: Loa
     r.idle_wait_s = 5
     res = r.execute(StepPlan())
     assert res.transfers_done == ["a"] and res.step_seconds < 4
-    assert r.swap_ops == 1 and r.swap_out_bytes == 2 * r.block_bytes
+    assert r.copy_calls == 1 and r.copied_out_bytes == 2 * r.block_bytes
     r.close()
 
 
@@ -285,8 +285,8 @@ def test_int8_offload_round_trip_within_one_step_per_channel(loaded: LoadedModel
     assert not torch.equal(after, before)  # it really went through 8 bits
     per_block = quantized_block_bytes(5, BS, 4, 8, torch.float32)
     assert r.host_block_bytes == per_block < r.block_bytes
-    assert r.swap_out_bytes == r.swap_in_bytes == 6 * per_block
-    assert r.swap_ops == 3 + 3  # one run each way; codes, span, zero
+    assert r.copied_out_bytes == r.copied_in_bytes == 6 * per_block
+    assert r.copy_calls == 3 + 3  # one run each way; codes, span, zero
     _run(r, a, 3)  # decoding goes on from the dequantized KV
     r.close()
 

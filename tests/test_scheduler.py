@@ -10,7 +10,8 @@ from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.request import Request, SamplingParams
-from tokenslice.sched.policy import PolicyContext, make_policy
+from tokenslice.sched.policy import PolicyContext
+from tokenslice.sched.registry import make_policy
 
 POLICIES = ["fcfs", "request-level", "mlfq", "skip-join-mlfq", "fixed-priority", "srpt-oracle"]
 COST = load_cost_model("opt-13b@a100-40gb")
@@ -69,7 +70,7 @@ def test_defer_never_evicts_for_new_work_but_recompute_does():
     items = trace(60, seed=3)
     eng_defer, _ = simulate("skip-join-mlfq", items, 160, "defer")
     eng_rec, _ = simulate("skip-join-mlfq", items, 160, "recompute")
-    assert eng_rec.scheduler.num_recomputed_tokens > eng_defer.scheduler.num_recomputed_tokens
+    assert eng_rec.scheduler.stats.recomputed_tokens > eng_defer.scheduler.stats.recomputed_tokens
 
 
 def _ctx(**cfg) -> PolicyContext:

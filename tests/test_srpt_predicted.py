@@ -11,7 +11,8 @@ from test_scheduler import COST, Item, fingerprint, trace
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.request import Request, RequestState, SamplingParams
-from tokenslice.sched.policy import PolicyContext, make_policy
+from tokenslice.sched.policy import PolicyContext
+from tokenslice.sched.registry import make_policy
 from tokenslice.sched.speculative import DEFAULT_OUTPUT_TOKENS, SpeculativeSRPTPolicy
 
 

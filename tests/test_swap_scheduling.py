@@ -81,8 +81,8 @@ def _promotion_storm(mode: str, amortization: float) -> int:
         eng.add_request([7] * 100, SamplingParams(max_tokens=200, ignore_eos=True), request_id=f"r{i}")
     while eng.has_unfinished():
         eng.step()
-    s = eng.scheduler
-    return s.num_preemptions
+    s = eng.scheduler.stats
+    return s.preemptions
 
 
 def test_protection_prevents_the_promotion_storm():
@@ -109,8 +109,8 @@ def test_proactive_swap_overlaps_transfers_with_compute():
     eng.scheduler.schedule = counting  # type: ignore[method-assign]
     while eng.has_unfinished():
         eng.step()
-    s = eng.scheduler
-    assert async_moves > 0 and s.swap_in_bytes > 0 and s.num_recomputed_tokens == 0
+    s = eng.scheduler.stats
+    assert async_moves > 0 and s.swap_in_bytes > 0 and s.recomputed_tokens == 0
     assert dataclasses.asdict(cfg)["burst_reserve_jobs"] == 2
 
 
@@ -137,9 +137,9 @@ def test_proactive_uploads_only_the_jobs_the_device_can_keep():
                             predicted_output_tokens=78 + i) for i in range(6)]
     sched = eng.scheduler
     assert sched.policy.device_job_limit(75 * 4, 0.0) == 3
-    kept = sched._within_device_job_limit(list(reversed(reqs)), 0, 0.0)
+    kept = sched.preemption._within_device_job_limit(list(reversed(reqs)), 0, 0.0)
     assert sorted(r.request_id for r in kept) == ["r0", "r1", "r2"]
     # Without a limit (skip-join-mlfq) every host job is a candidate, in ENST order.
     mlfq = Engine.simulated(SchedulerConfig(policy="skip-join-mlfq", preemption="proactive-swap"), COST,
                             kv_cache_blocks=75, block_size=4, host_kv_blocks=200).scheduler
-    assert mlfq._within_device_job_limit(reqs, 0, 0.0) == reqs
+    assert mlfq.preemption._within_device_job_limit(reqs, 0, 0.0) == reqs

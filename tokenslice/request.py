@@ -132,12 +132,40 @@ class Request:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
+    def stop_reason(self, tok: int) -> str | None:
+        """Why the request stops after sampling `tok` (its last output token), or None."""
+        p = self.params
+        n = len(self.output_token_ids)
+        if n >= p.min_tokens:
+            if not p.ignore_eos and tok == self.eos_token_id:
+                return "stop"
+            if p.stop_token_ids and tok in p.stop_token_ids:
+                return "stop"
+            if self.eos_after is not None and n >= self.eos_after:
+                return "stop"
+        if n >= p.max_tokens:
+            return "length"
+        if self.max_total_tokens is not None and len(self.prompt_token_ids) + n >= self.max_total_tokens:
+            return "length"
+        return None
+
+    @property
+    def tokens_until_forced_stop(self) -> int:
+        """Output tokens left before max_tokens, the context limit or a replay's end stops it."""
+        n_out = len(self.output_token_ids)
+        k = self.params.max_tokens - n_out
+        if self.eos_after is not None:
+            k = min(k, self.eos_after - n_out)
+        if self.max_total_tokens is not None:
+            k = min(k, self.max_total_tokens - len(self.prompt_token_ids) - n_out)
+        return k
+
     @property
     def is_finished(self) -> bool:
         return self.state in (RequestState.FINISHED, RequestState.ABORTED)
 
     @property
-    def remaining_tokens(self) -> int:
+    def num_uncomputed_tokens(self) -> int:
         """Uncomputed tokens: the whole prompt on first run, 1 when decoding."""
         return self.num_tokens - self.num_computed_tokens
 

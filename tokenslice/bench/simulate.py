@@ -183,15 +183,14 @@ def records_from_requests(reqs: Sequence[Request]) -> list[RequestRecord]:
 
 
 def engine_counters(engine: Any) -> dict[str, Any]:
-    """Engine-wide counters worth keeping beside the per-request sums (KV pressure, steps)."""
+    """Engine-wide counters that the per-request sums do not give (KV pressure, steps)."""
     sched = engine.scheduler
     kv = sched.kv
     return {"num_steps": engine.num_steps, "kv_blocks": kv.device.num_blocks,
             "kv_peak_blocks": kv.device.peak_used,
             "kv_peak_fraction": kv.device.peak_used / kv.device.num_blocks if kv.device.num_blocks else 0.0,
-            "engine_preemptions": sched.num_preemptions, "engine_recomputed_tokens": sched.num_recomputed_tokens,
             "host_blocks": kv.host.num_blocks, "host_peak_blocks": kv.host.peak_used,
-            "swap_fallbacks": sched.num_swap_fallbacks}
+            "swap_fallbacks": sched.stats.swap_fallbacks}
 
 
 def check_fits(requests: Sequence[WorkloadRequest], kv_cache_blocks: int, block_size: int) -> None:
@@ -311,7 +310,8 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
     file). `progress(description)` is called once per finished simulation, saturation runs
     included (there are `sweep_size(spec)` of them).
     """
-    from tokenslice.sched.policy import PolicyContext, make_policy
+    from tokenslice.sched.policy import PolicyContext
+    from tokenslice.sched.registry import make_policy
 
     spec.validate()
     cache = cache or DatasetCache()

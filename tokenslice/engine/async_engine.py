@@ -10,6 +10,7 @@ spinning.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -17,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenslice.engine.engine import Engine
+from tokenslice.sched.stats import SchedulerStats
 from tokenslice.request import InvalidRequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -50,38 +52,20 @@ class EngineStats:
     device_blocks_total: int = 0
     host_blocks_used: int = 0
     host_blocks_total: int = 0
-    num_preemptions: int = 0
-    swap_in_bytes: int = 0
-    swap_out_bytes: int = 0
-    swap_ops: int = 0
-    recomputed_tokens: int = 0
-    swap_fallbacks: int = 0
+    scheduler: SchedulerStats = field(default_factory=SchedulerStats)  # a copy, frozen with the rest
     num_steps: int = 0
     num_faults: int = 0
-
-
-def _count(obj: object, name: str) -> int:
-    value = getattr(obj, name, 0)
-    return int(value) if isinstance(value, (int, float)) else 0
 
 
 def read_stats(engine: Engine, num_faults: int = 0) -> EngineStats:
     """Snapshot of scheduler and KV state; call only from the thread that owns the engine."""
     sched = engine.scheduler
     kv = sched.kv
-    host = getattr(kv, "host", None)
     return EngineStats(
         num_running=sched.num_running, num_waiting=sched.num_waiting, num_preempted=sched.num_preempted,
-        num_swapped=_count(sched, "num_swapped"),
-        device_blocks_used=kv.device.num_blocks - kv.num_free_device_blocks,
-        device_blocks_total=kv.device.num_blocks,
-        host_blocks_used=_count(host, "num_used") if host is not None else 0,
-        host_blocks_total=_count(host, "num_blocks") if host is not None else 0,
-        num_preemptions=sched.num_preemptions,
-        swap_in_bytes=_count(sched, "swap_in_bytes"), swap_out_bytes=_count(sched, "swap_out_bytes"),
-        swap_ops=_count(sched, "num_swap_ops"), recomputed_tokens=_count(sched, "num_recomputed_tokens"),
-        swap_fallbacks=_count(sched, "num_swap_fallbacks"),
-        num_steps=engine.num_steps, num_faults=num_faults)
+        num_swapped=sched.num_swapped, device_blocks_used=kv.device.num_used, device_blocks_total=kv.device.num_blocks,
+        host_blocks_used=kv.host.num_used, host_blocks_total=kv.host.num_blocks,
+        scheduler=dataclasses.replace(sched.stats), num_steps=engine.num_steps, num_faults=num_faults)
 
 
 class RequestStream:

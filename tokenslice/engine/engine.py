@@ -14,14 +14,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokenslice.clock import RealClock, VirtualClock
-from tokenslice.config import SWAP_MODES, EngineConfig, SchedulerConfig
+from tokenslice.config import EngineConfig, SchedulerConfig
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
+from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import (CompletionOutput, InvalidRequestError, Request, RequestOutput,
                                 SamplingParams)
 from tokenslice.predict.cost import CostModel, load_cost_model
-from tokenslice.sched.policy import PolicyContext, make_policy
+from tokenslice.sched.policy import PolicyContext
+from tokenslice.sched.preemption import PREEMPTION_STRATEGIES
+from tokenslice.sched.registry import make_policy
 from tokenslice.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -83,7 +86,7 @@ class Engine:
         limit = loaded.arch.max_position_embeddings
         max_len = min(config.model.max_model_len or limit, limit)
         blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
-        swapping = config.scheduler.preemption in SWAP_MODES
+        swapping = PREEMPTION_STRATEGIES[config.scheduler.preemption].uses_host_tier
         host_blocks = num_host_kv_blocks(config.cache, loaded) if swapping else 0
         if swapping and host_blocks == 0:
             log.warning("preemption %s without host KV space (--swap-space-gb 0): every eviction recomputes",
@@ -96,13 +99,13 @@ class Engine:
         kv = KVManager(config.cache.block_size, blocks, host_blocks, contiguous=swapping)
         cost = load_cost_model(config.profile) if config.profile else None
         ctx = PolicyContext(config.scheduler, cost)
-        scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, ctx), kv, ctx)
+        scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, ctx), kv, ctx,
+                              swap_block_bytes=runner.host_block_bytes)
         eos = loaded.tokenizer.eos_token_id if loaded.tokenizer.eos_token_id is not None else loaded.arch.eos_token_id
         eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
         engine = cls(scheduler, LocalExecutor(runner), tokenizer=loaded.tokenizer, clock=RealClock(),
                      max_model_len=max_len, vocab_size=loaded.arch.vocab_size, eos_token_ids=eos_ids,
                      model_name=loaded.name)
-        scheduler.swap_block_bytes = runner.host_block_bytes
         engine.runner = runner
         if config.scheduler.length_predictor:
             from tokenslice.predict.length import LengthPredictor
@@ -139,16 +142,13 @@ class Engine:
                   offload_dtype: str = "auto") -> Engine:
         """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
         iteration times (and swap copy times) from the cost model instead of a model."""
-        from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
-
-        swapping = config.preemption in SWAP_MODES
+        swapping = PREEMPTION_STRATEGIES[config.preemption].uses_host_tier
         kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0, contiguous=swapping)
         ctx = PolicyContext(config, cost)
         policy = make_policy(config.policy, ctx)
         clock = VirtualClock()
         block_bytes = offload_block_bytes(block_size, cost.kv_bytes_per_token, offload_dtype)
-        scheduler = Scheduler(config, policy, kv, ctx)
-        scheduler.swap_block_bytes = block_bytes
+        scheduler = Scheduler(config, policy, kv, ctx, swap_block_bytes=block_bytes)
         engine = cls(scheduler, SimulatedExecutor(cost, clock, block_bytes), tokenizer=None, clock=clock,
                      max_model_len=max_model_len, vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name)
         engine.fast_forward = True
@@ -265,7 +265,9 @@ class Engine:
     def _repeat(self, plan: StepPlan, horizon: float) -> list[Request] | None:
         """Run a just-scheduled decode-only plan for as many steps as it provably stays the
         plan (at least 2), in bulk; None when that is not the case."""
-        sched = self.scheduler
+        sched, sim = self.scheduler, self.executor
+        if not isinstance(sim, SimulatedExecutor):
+            raise TypeError("fast_forward needs the simulator's executor (Engine.simulated)")
         reqs = sched.repeatable_steps(plan)
         if not reqs:
             return None
@@ -278,20 +280,20 @@ class Engine:
         ends: list[float] = []
         window = min(k, 16)
         while True:
-            more_d, more_e = self.executor.repeat_decode_times(  # type: ignore[attr-defined]
+            more_d, more_e = sim.repeat_decode_times(
                 reqs, window - len(durations), ends[-1] if ends else self.clock.now(), first_step=len(durations))
             durations += more_d
             ends += more_e
             # Stop at the first step that reaches the next arrival, as step-by-step replay would.
             limit = min(window, bisect.bisect_left(ends, horizon) + 1)
-            limit = sched.policy.stable_steps(reqs, durations[:limit], ends[:limit])  # type: ignore[attr-defined]
+            limit = sched.policy.stable_steps(reqs, durations[:limit], ends[:limit])
             if limit < window or window == k:
                 break
             window = min(k, 2 * window)
         k = limit
         if k < 2:
             return None
-        sched.repeat_decode(reqs, durations[:k], ends[:k], self.executor.token)  # type: ignore[attr-defined]
+        sched.repeat_decode(reqs, durations[:k], ends[:k], sim.token)
         self.clock.advance_to(ends[k - 1])
         self.num_steps += k
         self.last_step_seconds = durations[k - 1]

@@ -327,7 +327,7 @@ def engine_calibration(loaded: Any, cost: ProfileCostModel, opts: ProfileOptions
     from tokenslice.engine.engine import Engine
     from tokenslice.exec.local import LocalExecutor
     from tokenslice.model.runner import ModelRunner
-    from tokenslice.sched.policy import make_policy
+    from tokenslice.sched.registry import make_policy
     from tokenslice.sched.scheduler import Scheduler
 
     rng = np.random.default_rng(opts.seed + 1)

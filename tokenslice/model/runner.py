@@ -111,11 +111,13 @@ class ModelRunner:
         self.idle_wait_s = 0.05
         self.sampler = Sampler(self.device, seed)
         self.prep_seconds = 0.0  # summed time turning plans into tensors (overhead accounting)
-        # Swap counters (sync and async): copy calls issued and bytes moved between tiers
-        # (int8-sized with offload_dtype="int8").
-        self.swap_ops = 0
-        self.swap_out_bytes = 0
-        self.swap_in_bytes = 0
+        # The data plane's own record of what it copied (sync and async), for its tests and the
+        # bandwidth benchmark: tensor copy calls issued (per run, per host tensor, per layer row on
+        # CUDA) and bytes moved (int8-sized with offload_dtype="int8"). Swap accounting for
+        # users is the scheduler's (SchedulerStats), where swap_ops counts block runs.
+        self.copy_calls = 0
+        self.copied_out_bytes = 0
+        self.copied_in_bytes = 0
 
     @property
     def block_bytes(self) -> int:
@@ -230,11 +232,11 @@ class ModelRunner:
     def _account(self, num_blocks: int, num_runs: int, direction: Direction) -> None:
         """Counters, from the planning thread only (workers never touch them)."""
         per_run = len(self.host) * (1 if self.device.type == "cpu" else self._kv_rows.shape[0])
-        self.swap_ops += num_runs * per_run
+        self.copy_calls += num_runs * per_run
         if direction == "out":
-            self.swap_out_bytes += num_blocks * self.host_block_bytes
+            self.copied_out_bytes += num_blocks * self.host_block_bytes
         else:
-            self.swap_in_bytes += num_blocks * self.host_block_bytes
+            self.copied_in_bytes += num_blocks * self.host_block_bytes
 
     # ---- asynchronous transfers ---------------------------------------------------------------
     def _start_async(self, transfers: list[BlockTransfer]) -> None:

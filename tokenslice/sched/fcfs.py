@@ -16,10 +16,6 @@ class FCFSPolicy(LiveSetPolicy):
     def ranked(self, now: float) -> Iterable[Request]:
         return self._live.values()
 
-    def next_run_estimate(self, req: Request, now: float) -> float:
-        # FCFS never pauses a request it started, so arrival order is the whole story.
-        return req.arrival_time
-
 
 class RequestLevelPolicy(FCFSPolicy):
     """A batch is formed from the oldest requests and runs until every member finishes; only

@@ -8,7 +8,7 @@ import itertools
 from collections.abc import Iterable
 
 from tokenslice.request import Request
-from tokenslice.sched.policy import LiveSetPolicy, PolicyContext, queue_position_estimates
+from tokenslice.sched.policy import LiveSetPolicy, Policy, PolicyContext, queue_position_estimates
 
 # Starvation limit when none is configured: the time to generate this many tokens at the
 # SLO pace (normalized-latency SLO x tokens). A job paused this long is already failing it.
@@ -20,7 +20,7 @@ QUANTUM_SLACK = 0.05
 _WINDOW_SEQ = 1 << 62
 
 
-class SkipJoinMLFQPolicy:
+class SkipJoinMLFQPolicy(Policy):
     """Queues Q1..Qn with quanta q1 * ratio**i; q1 is the shortest iteration (FastServe Alg. 1).
 
     Skip-join: an arriving job enters the highest queue whose quantum covers its first
@@ -86,16 +86,18 @@ class SkipJoinMLFQPolicy:
         self._place(req, level, self.quanta[level], now)
 
     def _charge(self, req: Request, step_seconds: float) -> float:
-        """Quantum a job used in a step: its own iteration time, at most the step's (FastServe
-        §4.1 measures quanta in the job's iteration time). Charging the whole step would demote a
-        short decode for the long prefill that happened to share its batch."""
+        """Quantum a job used in a step (dropped KV rebuilt from zero: the token, not the
+        recompute)."""
         rid, computed = req.request_id, req.num_computed_tokens
         last = self._computed.get(rid, 0)
         self._computed[rid] = computed
-        if computed <= last:  # dropped KV rebuilt from zero: charge the token, not the recompute
-            return min(step_seconds, self.ctx.decode_s(req.num_tokens))
-        new = computed - last
-        own = self.ctx.decode_s(req.num_tokens) if new == 1 else self.ctx.first_iteration_s(new)
+        return self._step_charge(computed - last if computed > last else 1, req.num_tokens, step_seconds)
+
+    def _step_charge(self, new_tokens: int, context: int, step_seconds: float) -> float:
+        """A job's own iteration time, at most the step's (FastServe §4.1 measures quanta in the
+        job's iteration time). Charging the whole step would demote a short decode for the long
+        prefill that happened to share its batch."""
+        own = self.ctx.decode_s(context) if new_tokens == 1 else self.ctx.first_iteration_s(new_tokens)
         return min(step_seconds, own)
 
     def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
@@ -156,7 +158,6 @@ class SkipJoinMLFQPolicy:
         # A job charges at most the step time, so one whose budget exceeds the whole window's
         # cannot be demoted in it; only its final budget needs the exact replay.
         window_s = sum(durations) * (1 + 1e-9)
-        decode_s, cache = self.ctx.decode_s, self.ctx._decode_cache
         for req, tokens in zip(ran, tokens_before, strict=True):
             rid = req.request_id
             if rid not in ran_ids:
@@ -165,9 +166,8 @@ class SkipJoinMLFQPolicy:
             if not exact_budgets and left > window_s:
                 continue
             for j in range(limit):
-                # As _charge for a decode step, with the context the job has after step j.
-                own = cache.get(tokens + j + 1)
-                left -= min(durations[j], own if own is not None else decode_s(tokens + j + 1))
+                # A decode step, charged with the context the job has after step j.
+                left -= self._step_charge(1, tokens + j + 1, durations[j])
                 if left > 0:
                     continue
                 # Demoted at the end of step j, with the context it then has.
@@ -221,11 +221,8 @@ class SkipJoinMLFQPolicy:
         """Jobs of the top k queues (FastServe §4.2 burst reserve counts them)."""
         return itertools.chain.from_iterable(q.values() for q in self.queues[:k])
 
-    def next_run_estimate(self, req: Request, now: float) -> float:
-        """FastServe §4.2 ENST: the sooner of promotion and the drain of higher-priority work."""
-        return self.next_run_estimates(now).get(req.request_id, 0.0)
-
     def next_run_estimates(self, now: float) -> dict[str, float]:
+        """FastServe §4.2 ENST: the sooner of promotion and the drain of higher-priority work."""
         ranked = list(self.ranked(now))
         exec_s = queue_position_estimates(ranked, self.budget, self.ctx.max_batch_size)
         return {rid: min(t, max(0.0, self.last_run[rid] + self.starvation_limit - now))
@@ -258,8 +255,3 @@ class FixedPriorityPolicy(LiveSetPolicy):
 
     def ranked(self, now: float) -> Iterable[Request]:
         return (self._live[k[3]] for k in self._keys)
-
-    def next_run_estimate(self, req: Request, now: float) -> float:
-        ranked = list(self.ranked(now))
-        per_job = {r.request_id: self.ctx.decode_s(r.num_tokens) * r.params.max_tokens for r in ranked}
-        return queue_position_estimates(ranked, per_job, self.ctx.max_batch_size).get(req.request_id, 0.0)

@@ -1,9 +1,9 @@
-"""The Policy protocol (DESIGN.md, Core types) and the registry of policies by name."""
+"""The Policy base class (DESIGN.md, Core types): every hook the scheduler may call, with
+defaults, and what a policy may know about the system (PolicyContext)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Iterable
-from typing import Protocol
+from dataclasses import dataclass, field
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.predict.cost import CostModel
@@ -47,64 +47,55 @@ class PolicyContext:
         return self.config.slo_normalized_latency or 10 * self.min_iteration_s()
 
 
-class Policy(Protocol):
-    """Orders live requests; knows nothing about memory."""
+class Policy:
+    """Orders live requests; knows nothing about memory. Subclasses implement `ranked` and the
+    hooks whose defaults do not fit; the scheduler calls nothing else."""
 
-    name: str
+    name: str = ""
 
-    def on_arrival(self, req: Request, now: float) -> None: ...
+    def on_arrival(self, req: Request, now: float) -> None:
+        pass
 
-    def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None: ...
+    def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
+        """`ran` computed in a step of `step_seconds` that ended at `now`."""
 
-    def on_finish(self, req: Request) -> None: ...
+    def on_finish(self, req: Request) -> None:
+        pass
 
     def ranked(self, now: float) -> Iterable[Request]:
         """Live requests, best first. May be lazy: the scheduler usually needs only the head, and
         does not change the policy's membership while it walks."""
-        ...
+        raise NotImplementedError
+
+    def next_run_estimates(self, now: float) -> dict[str, float]:
+        """Seconds until each live request is expected to run again (FastServe ENST, ALISE EWT);
+        orders swaps and evictions. Default: the rank position (only the order matters)."""
+        return {r.request_id: float(i) for i, r in enumerate(self.ranked(now))}
 
     def next_run_estimate(self, req: Request, now: float) -> float:
-        """Seconds until `req` is expected to run again (FastServe ENST, ALISE EWT)."""
-        ...
+        return self.next_run_estimates(now).get(req.request_id, 0.0)
 
-    # Optional, for the simulator's event skipping: how many of the upcoming steps (ending at
-    # `ends`) the batch `ran` may repeat before the policy's order could change; a change at the
-    # end of step j allows j + 1 steps. `on_steps` then charges those steps in one call, with
-    # the same effect as calling on_step once per step.
-    #   def stable_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> int
-    #   def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None
-    # Optional, for proactive swapping (ALISE Algorithm 2): how many top-ranked jobs a device
-    # with room for `capacity_tokens` KV tokens can keep until they finish; only those are uploaded.
-    #   def device_job_limit(self, capacity_tokens: int, now: float) -> int
+    # ---- simulator fast-forward: a decode batch repeated in bulk between events ---------------
+    def stable_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> int:
+        """How many of the upcoming steps (lasting `durations`, ending at `ends`) the batch `ran`
+        may repeat before this policy's order could change; a change at the end of step j allows
+        j + 1 steps. Default 1: the policy does not bound it, so nothing is repeated."""
+        return 1
 
+    def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
+        """Charge a run of steps at once, with the same effect as on_step once per step."""
+        for d, t in zip(durations, ends, strict=True):
+            self.on_step(ran, d, t)
 
-POLICY_NAMES = ("fcfs", "request-level", "mlfq", "fixed-priority", "skip-join-mlfq",
-                "srpt-oracle", "srpt-predicted", "priority", "vtc")
+    # ---- memory hints for proactive swapping --------------------------------------------------
+    def top_queue_jobs(self, k: int) -> Iterable[Request]:
+        """Jobs of the top k priority queues (FastServe §4.2 burst reserve); none by default."""
+        return ()
 
-
-def make_policy(name: str, ctx: PolicyContext | None = None) -> Policy:
-    # Imported here: policy modules import this one for the protocol.
-    from tokenslice.sched.fcfs import FCFSPolicy, RequestLevelPolicy
-    from tokenslice.sched.mlfq import FixedPriorityPolicy, SkipJoinMLFQPolicy
-    from tokenslice.sched.speculative import SpeculativeSRPTPolicy
-    from tokenslice.sched.srpt import SRPTOraclePolicy
-
-    ctx = ctx or PolicyContext(SchedulerConfig(policy=name))
-    builders = {
-        "fcfs": lambda: FCFSPolicy(),
-        "request-level": lambda: RequestLevelPolicy(ctx),
-        "mlfq": lambda: SkipJoinMLFQPolicy(ctx, skip_join=False),
-        "skip-join-mlfq": lambda: SkipJoinMLFQPolicy(ctx, skip_join=True),
-        "fixed-priority": lambda: FixedPriorityPolicy(ctx),
-        "srpt-oracle": lambda: SRPTOraclePolicy(ctx),
-        "srpt-predicted": lambda: SpeculativeSRPTPolicy(ctx),
-    }
-    if name not in builders:
-        known = ", ".join(sorted(builders))
-        if name in POLICY_NAMES:
-            raise ValueError(f"policy {name!r} is not available in this build; available: {known}")
-        raise ValueError(f"unknown policy {name!r}; available: {known}")
-    return builders[name]()
+    def device_job_limit(self, capacity_tokens: int, now: float) -> int | None:
+        """ALISE Algorithm 2: how many top-ranked jobs a device with room for `capacity_tokens`
+        KV tokens can keep until they finish; only those are uploaded. None: no limit."""
+        return None
 
 
 def queue_position_estimates(ranked: list[Request], remaining_s: dict[str, float], batch: int) -> dict[str, float]:
@@ -119,7 +110,7 @@ def queue_position_estimates(ranked: list[Request], remaining_s: dict[str, float
     return out
 
 
-class LiveSetPolicy:
+class LiveSetPolicy(Policy):
     """Shared bookkeeping for policies that keep their live requests in arrival order and
     whose order changes only on arrivals and finishes (the scheduler sees those), so the
     simulator may repeat a batch until the next one."""
@@ -130,9 +121,6 @@ class LiveSetPolicy:
 
     def on_arrival(self, req: Request, now: float) -> None:
         self._live[req.request_id] = req
-
-    def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
-        pass
 
     def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
         pass

@@ -18,7 +18,7 @@ import itertools
 from collections.abc import Iterable
 
 from tokenslice.request import Request, RequestState
-from tokenslice.sched.policy import PolicyContext, queue_position_estimates
+from tokenslice.sched.policy import Policy, PolicyContext, queue_position_estimates
 
 # Predicted output tokens of a request without a prediction, until a request has finished; then
 # the running mean of finished requests' outputs takes over.
@@ -28,7 +28,7 @@ DEFAULT_OUTPUT_TOKENS = 128
 _Key = tuple[float, float, int, str]
 
 
-class SpeculativeSRPTPolicy:
+class SpeculativeSRPTPolicy(Policy):
     """Shortest estimated remaining execution time first, with virtual aging (ALISE §3.1).
 
     Aging: effective priority = T_rem - aging x (now - arrival). Every waiting job ages at the
@@ -82,7 +82,11 @@ class SpeculativeSRPTPolicy:
         done = req.num_output_tokens
         if done == 0:
             return self.execution_s(req.num_prompt_tokens, total)
-        return self.decode_sum_s(req.num_tokens, total - done)
+        return self._decode_left_s(req.num_prompt_tokens, done, total)
+
+    def _decode_left_s(self, prompt_tokens: int, done: int, predicted: int) -> float:
+        """T_rem of a decoding job: its steps from the current length to the predicted end."""
+        return self.decode_sum_s(prompt_tokens + done, predicted - done)
 
     # ---- predictions ------------------------------------------------------------------------
     def _cap(self, req: Request) -> int:
@@ -102,11 +106,17 @@ class SpeculativeSRPTPolicy:
         """ALISE §3.1 misprediction handling: the job outlived its prediction, so double it until
         it lies ahead again (never past what the job can produce)."""
         rid = req.request_id
-        p, cap, done = self.predicted[rid], self._cap(req), req.num_output_tokens
-        while done >= p and p < cap:
-            p = min(2 * p, cap)
-            self.num_demotions += 1
-        self.predicted[rid] = p
+        self.predicted[rid], doublings = self._doubled(self.predicted[rid], self._cap(req), req.num_output_tokens)
+        self.num_demotions += doublings
+
+    @staticmethod
+    def _doubled(predicted: int, cap: int, done: int) -> tuple[int, int]:
+        """The prediction doubled until it lies ahead of `done` (at most `cap`), and how often."""
+        n = 0
+        while done >= predicted and predicted < cap:
+            predicted = min(2 * predicted, cap)
+            n += 1
+        return predicted, n
 
     # ---- ranking ------------------------------------------------------------------------------
     def _aging_offset(self, req: Request) -> float:
@@ -174,10 +184,9 @@ class SpeculativeSRPTPolicy:
             prompt, done, aged = req.num_prompt_tokens, req.num_output_tokens, self._aging_offset(req)
             for j in range(limit):
                 out = done + j + 1
-                while out >= p and p < cap:  # as _demote at the end of step j
-                    p = min(2 * p, cap)
-                # As _key with the tokens the job has after step j (it is decoding: no prefill).
-                key = (self.decode_sum_s(prompt + out, p - out) + aged,) + start[1:]
+                p, _ = self._doubled(p, cap, out)  # the demotion at the end of step j
+                # The key it then has (decoding: no prefill left).
+                key = (self._decode_left_s(prompt, out, p) + aged,) + start[1:]
                 if key > start and key > best_other:
                     limit = j + 1
                     break
@@ -199,9 +208,6 @@ class SpeculativeSRPTPolicy:
         return (self._live[k[3]] for k in self._keys)
 
     # ---- swap ordering and memory hints (ALISE §3.2) ------------------------------------------
-    def next_run_estimate(self, req: Request, now: float) -> float:
-        return self.next_run_estimates(now).get(req.request_id, 0.0)
-
     def next_run_estimates(self, now: float) -> dict[str, float]:
         """ALISE EWT (§3.2, Eqs. 6-7): a job waits for the remaining execution time of the jobs
         ranked ahead of it, shared max_batch_size ways; the batch runs now."""

@@ -60,14 +60,15 @@ class _StatsCollector(Collector):
         yield self._gauge("tokenslice:cpu_cache_usage_perc", "Fraction of host (swap) KV blocks in use (1 = 100%).",
                           s.host_blocks_used / s.host_blocks_total if s.host_blocks_total else 0.0)
         yield self._gauge("tokenslice:kv_cache_num_blocks", "Device KV blocks in the pool.", s.device_blocks_total)
-        yield self._counter("tokenslice:num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions)
-        yield self._counter("tokenslice:kv_swap_out_bytes", "KV bytes copied from device to host.", s.swap_out_bytes)
-        yield self._counter("tokenslice:kv_swap_in_bytes", "KV bytes copied from host to device.", s.swap_in_bytes)
-        yield self._counter("tokenslice:kv_swap_ops", "Copy operations (contiguous block runs) of KV swaps.", s.swap_ops)
+        c = s.scheduler
+        yield self._counter("tokenslice:num_preemptions", "Requests preempted by the scheduler.", c.preemptions)
+        yield self._counter("tokenslice:kv_swap_out_bytes", "KV bytes copied from device to host.", c.swap_out_bytes)
+        yield self._counter("tokenslice:kv_swap_in_bytes", "KV bytes copied from host to device.", c.swap_in_bytes)
+        yield self._counter("tokenslice:kv_swap_ops", "Copy operations (contiguous block runs) of KV swaps.", c.swap_ops)
         yield self._counter("tokenslice:num_recomputed_tokens", "Tokens recomputed after their KV was dropped.",
-                            s.recomputed_tokens)
+                            c.recomputed_tokens)
         yield self._counter("tokenslice:kv_swap_fallbacks", "Evictions that recomputed because host KV space was full.",
-                            s.swap_fallbacks)
+                            c.swap_fallbacks)
         yield self._counter("tokenslice:engine_faults", "Engine steps that raised.", s.num_faults)
 
 

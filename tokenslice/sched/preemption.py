@@ -1,0 +1,273 @@
+"""What happens to KV when device memory is short (DESIGN.md, "Preemption"): one strategy per
+mode, chosen once from config. A strategy makes room (victim choice, evictions by drop or swap),
+loads a job's KV back, keeps loaded jobs from thrashing, and in proactive-swap moves KV ahead of
+need and keeps the burst reserve; it records every preemption, drop and swap in SchedulerStats."""
+from __future__ import annotations
+
+import itertools
+
+from tokenslice.config import SchedulerConfig
+from tokenslice.kv.groups import copy_runs
+from tokenslice.kv.manager import KVManager
+from tokenslice.plan import BlockTransfer, StepPlan
+from tokenslice.request import Request, RequestState
+from tokenslice.sched.policy import Policy, PolicyContext
+from tokenslice.sched.stats import SchedulerStats
+
+
+class Recompute:
+    """`recompute`: a victim's KV is dropped and computed again when it next runs."""
+
+    mode = "recompute"
+    uses_host_tier = False
+    new_work_evicts = True  # a request without KV may evict others to start
+
+    def __init__(self, config: SchedulerConfig, policy: Policy, kv: KVManager, ctx: PolicyContext,
+                 stats: SchedulerStats, requests: dict[str, Request], swap_block_bytes: int = 0) -> None:
+        self.config = config
+        self.policy = policy
+        self.kv = kv
+        self.ctx = ctx
+        self.stats = stats
+        self.requests = requests  # the scheduler's live requests (read only)
+        self.swap_block_bytes = swap_block_bytes  # one block in its host format
+        # Anti-thrashing: a job whose KV was just loaded (prefill, recompute or swap-in) may not be
+        # evicted to load another until its service since the load repays the load's cost.
+        self._protected_until: dict[str, float] = {}  # request id -> own-share seconds
+        self._share: dict[str, float] = {}  # per request: its token share of the steps it ran in
+        self.protection_blocked = False  # the last plan skipped a victim for its protection
+        self._now = 0.0
+        self._enst: dict[str, float] | None = None  # next-run estimates, once per plan on demand
+
+    # ---- one plan ---------------------------------------------------------------------------
+    def begin_plan(self, now: float) -> None:
+        self._now, self._enst = now, None
+        self.protection_blocked = False
+
+    def end_plan(self, chosen: set[str], plan: StepPlan) -> None:
+        """After the batch is chosen: background moves (proactive-swap)."""
+
+    def on_arrival(self, req: Request) -> None:
+        pass
+
+    def next_run_estimates(self) -> dict[str, float]:
+        if self._enst is None:
+            self._enst = self.policy.next_run_estimates(self._now)
+        return self._enst
+
+    def make_room(self, need: int, lower: list[Request], chosen: set[str], holds_kv: bool, plan: StepPlan,
+                  dropped: set[str], loads: bool) -> bool:
+        """Free device blocks by evicting lower-ranked requests' KV, the one that will run last
+        first. A request that `loads` its KV (new, recomputing or on host) may not evict a
+        protected job; one growing its resident KV may, or the pool could deadlock."""
+        if not holds_kv and not self.new_work_evicts:
+            return False
+        kv = self.kv
+        victims = [r for r in reversed(lower) if r.request_id not in chosen and kv.holds(r.request_id)
+                   and not kv.in_flight(r.request_id)]
+        if len(victims) > 1:
+            # FastServe §4.2: evict the job that will run last, not merely the lowest-ranked one:
+            # a long-waiting job about to be promoted ranks low but runs soon.
+            enst = self.next_run_estimates()
+            victims.sort(key=lambda r: enst.get(r.request_id, 0.0), reverse=True)
+        if loads:
+            unprotected = [r for r in victims if not self._is_protected(r)]
+            if len(unprotected) < len(victims):
+                self.protection_blocked = True
+                victims = unprotected
+        freeable = kv.num_free_device_blocks + sum(kv.num_device_blocks(r.request_id) for r in victims)
+        if freeable < need:
+            return False
+        for victim in victims:
+            if kv.num_free_device_blocks >= need:
+                break
+            self._evict(victim, plan, dropped)
+        return True
+
+    def _evict(self, victim: Request, plan: StepPlan, dropped: set[str]) -> None:
+        self.drop(victim, plan)
+        dropped.add(victim.request_id)
+
+    def load(self, req: Request, on_host: bool, holds_kv: bool, plan: StepPlan) -> bool:
+        """A job chosen to run whose KV must be loaded is protected (see _protect); one on host
+        is swapped in. False: it runs once an asynchronous upload completes."""
+        if on_host:
+            self._protect(req, self._swap_seconds(len(self.kv.host_blocks(req.request_id))))
+            return self._upload(req, plan)
+        if not holds_kv:
+            self._protect(req, self.ctx.first_iteration_s(req.num_tokens - 1))
+        return True
+
+    def _upload(self, req: Request, plan: StepPlan) -> bool:
+        self.move(req, "in", plan, sync=True)  # in the critical path, before this step's compute
+        return True
+
+    def fast_forward_room(self, free_blocks: int) -> int:
+        """Free blocks a repeated decode batch may grow into before something else would act."""
+        return free_blocks
+
+    # ---- bookkeeping, one place each --------------------------------------------------------
+    def preempt(self, req: Request) -> None:
+        if req.state is RequestState.RUNNING:
+            req.state = RequestState.PREEMPTED
+            self.stats.record_preemption(req.metrics)
+
+    def drop(self, req: Request, plan: StepPlan) -> None:
+        """Discard the request's KV; it recomputes when it runs again."""
+        self.kv.drop(req.request_id)
+        self.stats.record_recompute(req.metrics, req.num_computed_tokens)
+        req.num_computed_tokens = 0
+        self.preempt(req)
+        req.state = RequestState.WAITING
+        plan.drop.append(req.request_id)
+
+    def move(self, req: Request, direction: str, plan: StepPlan, *, sync: bool) -> None:
+        """Swap a request's KV out to host or in to device; sync copies run before this step's
+        compute, async ones overlap it (the request waits for transfers_done)."""
+        kv, rid = self.kv, req.request_id
+        if not sync:
+            kv.begin_transfer(rid)
+        pairs = kv.swap_out(rid) if direction == "out" else kv.swap_in(rid)
+        if sync:
+            (plan.swap_out if direction == "out" else plan.swap_in).extend(pairs)
+        else:
+            plan.async_transfers.append(BlockTransfer(rid, direction, pairs))  # type: ignore[arg-type]
+        self.stats.record_swap(req.metrics, direction, len(pairs) * self.swap_block_bytes,  # type: ignore[arg-type]
+                               len(copy_runs(pairs)))
+        if direction == "out":
+            self.preempt(req)
+
+    # ---- anti-thrashing -----------------------------------------------------------------------
+    def _protect(self, req: Request, load_s: float) -> None:
+        """The collapse FastServe §4.2 guards against with ENST-ordered swaps: when many jobs of
+        similar priority want more KV than the device holds, MLFQ's short top quanta would rotate
+        them through memory every few iterations, each rotation paying a swap or a recompute. A
+        loaded job is protected from eviction by other loads until it has run for
+        `eviction_amortization` x its load time, so loading costs at most that fraction of
+        useful work."""
+        factor = self.config.eviction_amortization
+        if factor > 0:
+            rid = req.request_id
+            self._protected_until[rid] = self._share.get(rid, 0.0) + factor * load_s
+
+    def _is_protected(self, req: Request) -> bool:
+        until = self._protected_until.get(req.request_id)
+        return until is not None and self._share.get(req.request_id, 0.0) < until
+
+    def charge_service(self, request_id: str, seconds: float) -> None:
+        """The job's own share of a step it ran in (by tokens): what its residency bought."""
+        self._share[request_id] = self._share.get(request_id, 0.0) + seconds
+
+    def forget(self, request_id: str) -> None:
+        self._protected_until.pop(request_id, None)
+        self._share.pop(request_id, None)
+
+    def _swap_seconds(self, num_blocks: int) -> float:
+        cost = self.ctx.cost
+        return cost.transfer_seconds(num_blocks * self.swap_block_bytes, 1) if cost else 0.0
+
+
+class Defer(Recompute):
+    """`defer`: no preemption for memory: new work waits; a request that already holds KV may
+    still evict (it must progress, or the pool deadlocks)."""
+
+    mode = "defer"
+    new_work_evicts = False
+
+
+class ReactiveSwap(Recompute):
+    """`reactive-swap`: a victim's KV is copied to host (recomputed only when host is full) and
+    copied back, in the critical path, when it runs again."""
+
+    mode = "reactive-swap"
+    uses_host_tier = True
+
+    def _evict(self, victim: Request, plan: StepPlan, dropped: set[str]) -> None:
+        if self.kv.can_swap_out(victim.request_id):
+            self.move(victim, "out", plan, sync=True)
+            return
+        self.stats.swap_fallbacks += 1  # host full: recompute instead, never an error
+        super()._evict(victim, plan, dropped)
+
+
+class ProactiveSwap(ReactiveSwap):
+    """`proactive-swap` (FastServe §4.2): uploads overlap compute, idle jobs that will run last
+    are offloaded ahead of need to keep a reserve of free blocks for bursts."""
+
+    mode = "proactive-swap"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.reserve = 0  # the last burst reserve, in blocks
+        self._prompt_tokens = 0  # arrivals' prompt tokens, for the reserve's job size
+        self._num_arrivals = 0
+
+    def on_arrival(self, req: Request) -> None:
+        self._prompt_tokens += req.num_prompt_tokens
+        self._num_arrivals += 1
+
+    def _upload(self, req: Request, plan: StepPlan) -> bool:
+        self.move(req, "in", plan, sync=False)  # overlaps this step's compute; runs next step
+        return False
+
+    def fast_forward_room(self, free_blocks: int) -> int:
+        # Crossing into the burst reserve starts offloads: an event.
+        return free_blocks - self.reserve if free_blocks >= self.reserve else free_blocks
+
+    def burst_reserve_blocks(self) -> int:
+        """Free device blocks to keep for a burst: max(K new jobs, jobs of the top K' queues
+        not on device), a job sized by the mean prompt seen so far; at most a quarter of the
+        pool, so the reserve never starves the running batch."""
+        cfg, kv = self.config, self.kv
+        jobs = cfg.burst_reserve_jobs
+        if cfg.burst_reserve_queues > 0:
+            waiting = sum(1 for r in self.policy.top_queue_jobs(cfg.burst_reserve_queues) if not kv.holds(r.request_id))
+            jobs = max(jobs, waiting)
+        per_job = kv.blocks_for_tokens(self._prompt_tokens // max(1, self._num_arrivals) + 1)
+        return min(jobs * per_job, kv.device.num_blocks // 4)
+
+    def end_plan(self, chosen: set[str], plan: StepPlan) -> None:
+        """Keep the burst reserve free by offloading the idle jobs that will run last (largest
+        ENST first), and upload host jobs that will run soonest (smallest ENST first) into
+        free space above the reserve, so their copies overlap compute. A job moves at most once
+        per transfer window, so it is never thrashed in and out in one step."""
+        kv = self.kv
+        target = self.reserve = self.burst_reserve_blocks()
+        free = kv.device.num_free + kv.device_blocks_releasing()
+        idle = [r for rid, r in self.requests.items() if rid not in chosen and kv.holds(rid) and not kv.in_flight(rid)]
+        on_host = [r for rid, r in self.requests.items() if not kv.in_flight(rid) and kv.residency(rid) == "host"]
+        if not (free < target and idle) and not on_host:
+            return
+        enst = self.next_run_estimates()
+        offloaded = False
+        if free < target and idle:
+            idle.sort(key=lambda r: enst.get(r.request_id, 0.0), reverse=True)
+            for r in idle:
+                if free >= target:
+                    break
+                if not kv.can_swap_out(r.request_id):
+                    break  # host full: keep the KV where it is (no proactive recompute)
+                free += kv.num_device_blocks(r.request_id)
+                self.move(r, "out", plan, sync=False)
+                offloaded = True
+        if offloaded or not on_host:
+            return  # memory is tight: uploading now would only be offloaded again
+        on_host = self._within_device_job_limit(on_host, target, self._now)
+        on_host.sort(key=lambda r: enst.get(r.request_id, 0.0))
+        for r in on_host:
+            if kv.device.num_free - len(kv.host_blocks(r.request_id)) >= target:
+                self.move(r, "in", plan, sync=False)
+
+    def _within_device_job_limit(self, on_host: list[Request], reserve: int, now: float) -> list[Request]:
+        """ALISE Algorithm 2: upload only jobs among the top-ranked ones the device can keep until
+        they finish (the policy's device_job_limit over the pool above the burst reserve); a job
+        past it would only be offloaded again as the ones ahead grow."""
+        kv = self.kv
+        limit = self.policy.device_job_limit((kv.device.num_blocks - reserve) * kv.block_size, now)
+        if limit is None:
+            return on_host
+        keep = {r.request_id for r in itertools.islice(self.policy.ranked(now), limit)}
+        return [r for r in on_host if r.request_id in keep]
+
+
+PREEMPTION_STRATEGIES: dict[str, type[Recompute]] = {c.mode: c for c in (Defer, Recompute, ReactiveSwap, ProactiveSwap)}

@@ -1,0 +1,30 @@
+"""Policies by name (DESIGN.md, "Names shared by CLI, config and results"). Its own module so
+that policy modules import only the base class, and nothing imports in a cycle."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tokenslice.config import SchedulerConfig
+from tokenslice.sched.fcfs import FCFSPolicy, RequestLevelPolicy
+from tokenslice.sched.mlfq import FixedPriorityPolicy, SkipJoinMLFQPolicy
+from tokenslice.sched.policy import Policy, PolicyContext
+from tokenslice.sched.speculative import SpeculativeSRPTPolicy
+from tokenslice.sched.srpt import SRPTOraclePolicy
+
+_BUILDERS: dict[str, Callable[[PolicyContext], Policy]] = {
+    "fcfs": lambda ctx: FCFSPolicy(),
+    "request-level": RequestLevelPolicy,
+    "mlfq": lambda ctx: SkipJoinMLFQPolicy(ctx, skip_join=False),
+    "skip-join-mlfq": lambda ctx: SkipJoinMLFQPolicy(ctx, skip_join=True),
+    "fixed-priority": FixedPriorityPolicy,
+    "srpt-oracle": SRPTOraclePolicy,
+    "srpt-predicted": SpeculativeSRPTPolicy,
+}
+POLICY_NAMES = tuple(_BUILDERS)
+
+
+def make_policy(name: str, ctx: PolicyContext | None = None) -> Policy:
+    builder = _BUILDERS.get(name)
+    if builder is None:
+        raise ValueError(f"unknown policy {name!r}; available: {', '.join(POLICY_NAMES)}")
+    return builder(ctx or PolicyContext(SchedulerConfig(policy=name)))

@@ -1,0 +1,38 @@
+"""Scheduler counters: one object for the engine-wide totals, updated together with each
+request's own counters (RequestMetrics), so the two never disagree. Prometheus, results files
+and tests read it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tokenslice.request import RequestMetrics
+
+
+@dataclass
+class SchedulerStats:
+    preemptions: int = 0  # a running request paused: evicted, or left out of the next batch
+    recomputed_tokens: int = 0  # KV tokens dropped, to be computed again
+    swap_out_bytes: int = 0  # device -> host, as moved over the link (int8-sized when offloaded so)
+    swap_in_bytes: int = 0
+    swap_ops: int = 0  # copy operations: contiguous block runs moved (plan.copy_runs)
+    swap_fallbacks: int = 0  # evictions that recomputed because the host tier was full
+
+    def record_preemption(self, m: RequestMetrics) -> None:
+        m.preemptions += 1
+        self.preemptions += 1
+
+    def record_recompute(self, m: RequestMetrics, tokens: int) -> None:
+        m.recomputed_tokens += tokens
+        self.recomputed_tokens += tokens
+
+    def record_swap(self, m: RequestMetrics, direction: Literal["out", "in"], nbytes: int, ops: int) -> None:
+        m.swaps += 1
+        m.swap_ops += ops
+        self.swap_ops += ops
+        if direction == "out":
+            m.swap_out_bytes += nbytes
+            self.swap_out_bytes += nbytes
+        else:
+            m.swap_in_bytes += nbytes
+            self.swap_in_bytes += nbytes
