@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from tokenslice.config import SWAP_MODES, SchedulerConfig
-from tokenslice.kv.groups import copy_runs
+from tokenslice.plan import copy_runs
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import BlockTransfer, SeqSlice, StepPlan, StepResult
 from tokenslice.request import Request, RequestState
