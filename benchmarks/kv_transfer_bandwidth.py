@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tokenslice.kv.groups import copy_runs
 from tokenslice.model.arch import parse_config
 from tokenslice.model.loader import LoadedModel
 from tokenslice.model.runner import ModelRunner
+from tokenslice.plan import copy_runs
 
 LLAMA_56M = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 512,
              "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,

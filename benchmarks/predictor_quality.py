@@ -10,7 +10,7 @@ Runs (output lengths in GPT-2 tokens, i.e. OPT's):
 
 k, the similarity threshold and the kNN weight are tuned by 3-fold cross-validation on the seed
 data inside `LengthPredictor.seed` (never on the test split). Each predictor is then reloaded from
-disk with the embedding cache off and scored by `tokenslice.predict.evaluate`; the timed part holds
+disk with the embedding cache off and scored by `tokenslice.bench.length_eval`; the timed part holds
 /tmp/tokenslice-bench.lock, so it does not overlap other sessions' timing runs. ShareGPT's 200
 test prompts give a Spearman standard error of ~0.07, so `--extra-seeds` repeats the ShareGPT
 runs on other splits (quality only) to show the spread.
@@ -36,9 +36,9 @@ import torch
 
 from tokenslice.predict.blend import spearman
 from tokenslice.predict.embed import SentenceEmbedder
-from tokenslice.predict.evaluate import evaluate, fit_prompt_length, format_table
+from tokenslice.bench.length_eval import evaluate, fit_prompt_length, format_table
 from tokenslice.predict.length import LengthPredictor
-from tokenslice.predict.lengthdata import LengthExample, load_examples, split_examples
+from tokenslice.bench.lengthdata import LengthExample, load_examples, split_examples
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

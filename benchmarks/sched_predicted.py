@@ -91,7 +91,7 @@ def held_out_file(name: str) -> Path:
 
 def prepare() -> dict[str, Any]:
     """Held-out files and predictors (skipped when present); returns their description."""
-    from tokenslice.predict.lengthdata import load_examples, split_examples
+    from tokenslice.bench.lengthdata import load_examples, split_examples
 
     WORK.mkdir(parents=True, exist_ok=True)
     out = {}

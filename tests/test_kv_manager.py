@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tokenslice.kv.blocks import BlockPool, OutOfBlocksError
-from tokenslice.kv.groups import BlockGroupAllocator, copy_runs, runs
+from tokenslice.kv.groups import BlockGroupAllocator, runs
 from tokenslice.kv.manager import KVManager
+from tokenslice.plan import copy_runs
 
 IDS = [f"r{i}" for i in range(4)]  # a small id universe: ids get reused after finishing
 

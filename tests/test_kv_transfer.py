@@ -1,4 +1,4 @@
-"""KV swapping data plane: the transfer engine (kv/transfer.py) and the runner's host tier
+"""KV swapping data plane: the transfer engine (model/transfer.py) and the runner's host tier
 (model/runner.py) on a real tiny model (stories260k), sync and async, full precision and int8."""
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import torch
 from conftest import STORIES
 from tokenslice.config import CacheConfig, ModelConfig
 from tokenslice.exec.local import LocalExecutor
-from tokenslice.kv.groups import copy_runs
-from tokenslice.kv.transfer import TransferEngine, TransferError
 from tokenslice.model.kv_quant import quantized_block_bytes
 from tokenslice.model.loader import LoadedModel, load_model
 from tokenslice.model.runner import ModelRunner, host_block_bytes, num_host_kv_blocks
-from tokenslice.plan import BlockTransfer, SeqSlice, StepPlan
+from tokenslice.model.transfer import TransferEngine, TransferError
+from tokenslice.plan import BlockTransfer, SeqSlice, StepPlan, copy_runs
 from tokenslice.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -31,7 +30,7 @@ STEPS = 14  # decode steps; the request ends with 9 + 14 tokens: 6 blocks
 
 # ---- transfer engine ------------------------------------------------------------------------
 def test_transfer_module_is_torch_free() -> None:
-    code = "import sys, tokenslice.kv.transfer; print('torch' in sys.modules)"
+    code = "import sys, tokenslice.model.transfer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     assert out == "False"

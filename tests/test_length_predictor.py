@@ -17,10 +17,10 @@ import torch
 from tokenslice.cli import main
 from tokenslice.predict.blend import spearman
 from tokenslice.predict.embed import SentenceEmbedder, default_embedder_dir
-from tokenslice.predict.evaluate import BASELINES, METRIC_KEYS
+from tokenslice.bench.length_eval import BASELINES, METRIC_KEYS
 from tokenslice.predict.history import HistoryStore
 from tokenslice.predict.length import HISTORY_FILE, REGRESSOR_FILE, LengthPredictor, PredictorConfig
-from tokenslice.predict.lengthdata import LengthExample, load_examples, split_examples
+from tokenslice.bench.lengthdata import LengthExample, load_examples, split_examples
 from tokenslice.predict.regressor import LengthRegressor, RegressorConfig, TrainingSet, _loss
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

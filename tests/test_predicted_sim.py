@@ -15,7 +15,7 @@ from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerC
 from tokenslice.engine.engine import Engine
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.predict.length import LengthPredictor, PredictorConfig
-from tokenslice.predict.lengthdata import load_examples
+from tokenslice.bench.lengthdata import load_examples
 from tokenslice.predict.regressor import RegressorConfig
 from tokenslice.request import SamplingParams
 

@@ -403,7 +403,7 @@ def add_simulation_subcommands(sub: Any) -> None:
 
 
 def _predictor_examples(a: argparse.Namespace, turns: str) -> list[Any]:
-    from tokenslice.predict.lengthdata import load_examples, select
+    from tokenslice.bench.lengthdata import load_examples, select
 
     try:
         examples = load_examples(a.dataset, a.tokenizer, turns=turns)
@@ -438,7 +438,7 @@ def cmd_predictor_build(a: argparse.Namespace) -> int:
 def cmd_predictor_eval(a: argparse.Namespace) -> int:
     import json
 
-    from tokenslice.predict.evaluate import evaluate, format_table
+    from tokenslice.bench.length_eval import evaluate, format_table
     from tokenslice.predict.length import LengthPredictor
 
     # Held-out prompts are always first turns (a later turn's prompt lacks its conversation).

@@ -1,9 +1,11 @@
 """What the scheduler hands the executor each step, and what comes back (DESIGN.md, StepPlan).
 
-Plain data so that any executor (local, distributed, simulated) can take it.
+Plain data so that any executor (local, distributed, simulated) can take it, plus `copy_runs`,
+how the block pairs of a swap coalesce into copies (the scheduler and every executor count them).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -38,6 +40,23 @@ class BlockTransfer:
     request_id: str
     direction: Literal["out", "in"]  # out: device -> host; in: host -> device
     pairs: list[tuple[int, int]]  # (source block, destination block), in block-table order
+
+
+def copy_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Coalesce (src, dst) block pairs into (src_start, dst_start, length) copies.
+
+    A copy grows while both source and destination stay consecutive: that is what one
+    memcpy / cudaMemcpyAsync can move (FastSwitch: fewer, larger transfers).
+    """
+    out: list[tuple[int, int, int]] = []
+    for src, dst in pairs:
+        if out:
+            s, d, n = out[-1]
+            if s + n == src and d + n == dst:
+                out[-1] = (s, d, n + 1)
+                continue
+        out.append((src, dst, 1))
+    return out
 
 
 @dataclass

@@ -12,8 +12,7 @@ from __future__ import annotations
 import heapq
 from typing import Protocol
 
-from tokenslice.kv.groups import copy_runs
-from tokenslice.plan import StepPlan, StepResult
+from tokenslice.plan import StepPlan, StepResult, copy_runs
 from tokenslice.predict.cost import BatchShape, CostModel
 from tokenslice.request import Request
 

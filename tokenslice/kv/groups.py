@@ -35,23 +35,6 @@ def runs(blocks: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
-def copy_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Coalesce (src, dst) block pairs into (src_start, dst_start, length) copies.
-
-    A copy grows while both source and destination stay consecutive: that is what one
-    memcpy / cudaMemcpyAsync can move (FastSwitch: fewer, larger transfers).
-    """
-    out: list[tuple[int, int, int]] = []
-    for src, dst in pairs:
-        if out:
-            s, d, n = out[-1]
-            if s + n == src and d + n == dst:
-                out[-1] = (s, d, n + 1)
-                continue
-        out.append((src, dst, 1))
-    return out
-
-
 class BlockGroupAllocator:
     """Buddy allocator over block ids 0..num_blocks-1 (no reference counts: see BlockPool).
 

@@ -6,12 +6,12 @@ layout, [layers, 2, blocks, block_size, kv_heads, head_dim] (pinned on CUDA so c
 in the model dtype or, with offload_dtype="int8", as 8-bit codes plus per-channel metadata
 (ALISE §3.2, model/kv_quant.py): quantized on the device before device->host, dequantized on
 the device after host->device. A swap copies each contiguous run of (source, destination)
-blocks (kv/groups.copy_runs) across all layers in one strided copy: FastSwitch's point is that
+blocks (plan.copy_runs) across all layers in one strided copy: FastSwitch's point is that
 per-copy overhead, not bandwidth, dominates fine-grained swapping, and block groups keep runs
 long. On CPU that was measured against a batched gather (one index_select over all layers +
 one index_copy_) and won at every fragmentation (BENCHMARKS.md, KV transfer bandwidth). On CUDA
 a strided host<->device copy is not one DMA, so each run moves as 2 x layers contiguous
-DMAs. Asynchronous transfers (FastServe §4.2, FastSwitch) run on kv/transfer.TransferEngine
+DMAs. Asynchronous transfers (FastServe §4.2, FastSwitch) run on model/transfer.TransferEngine
 threads; on CUDA on side streams ordered after the compute that wrote the KV.
 """
 from __future__ import annotations
@@ -24,14 +24,13 @@ from typing import Literal
 import torch
 
 from tokenslice.config import CacheConfig
-from tokenslice.kv.groups import copy_runs
-from tokenslice.kv.transfer import TransferEngine
 from tokenslice.model.arch import ArchConfig
 from tokenslice.model.attention import build_metadata
 from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quantize_blocks, quantized_block_bytes
 from tokenslice.model.loader import LoadedModel
 from tokenslice.model.sampler import Sampler
-from tokenslice.plan import BlockTransfer, StepPlan, StepResult
+from tokenslice.model.transfer import TransferEngine
+from tokenslice.plan import BlockTransfer, StepPlan, StepResult, copy_runs
 
 Direction = Literal["out", "in"]  # out: device -> host; in: host -> device
 

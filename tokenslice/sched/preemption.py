@@ -7,9 +7,8 @@ from __future__ import annotations
 import itertools
 
 from tokenslice.config import SchedulerConfig
-from tokenslice.kv.groups import copy_runs
 from tokenslice.kv.manager import KVManager
-from tokenslice.plan import BlockTransfer, StepPlan
+from tokenslice.plan import BlockTransfer, StepPlan, copy_runs
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
 from tokenslice.sched.stats import SchedulerStats

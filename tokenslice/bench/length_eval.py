@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tokenslice.bench.metrics import percentile
 from tokenslice.predict.blend import spearman
-from tokenslice.predict.length import LengthPredictor
+
+if TYPE_CHECKING:  # the caller builds the predictor (torch and faiss); scoring it needs neither
+    from tokenslice.predict.length import LengthPredictor
 
 METRIC_KEYS = ("n", "spearman", "mean_abs_error", "mean_rel_error", "bucket_accuracy", "median_latency_ms",
                "p99_latency_ms")

@@ -1,10 +1,11 @@
-"""TransferEngine: background KV copies on a small pool of worker threads (DESIGN.md, kv/transfer.py).
+"""TransferEngine: background KV copies on a small pool of worker threads (DESIGN.md, kv/transfer.py;
+here in model/ because the model runner is its only user).
 
 FastSwitch (asynchronous multithreaded swap-in) and FastServe §4.2 (proactive offload/upload)
 overlap KV transfers with compute: the executor starts a request's copy, keeps computing other
 requests, and reports the request once the copy finished (StepResult.transfers_done). This
 module is only the job machinery: each job is a callable the model runner builds (torch copies,
-on CUDA a side stream it synchronizes before returning), so kv/ stays torch-free.
+on CUDA a side stream it synchronizes before returning), so this module stays torch-free.
 
 A job that raises is never swallowed: the next `poll` / `wait_any` raises TransferError naming
 the request. Completed ids are reported once, in completion order.
