@@ -1,5 +1,4 @@
-"""Multi-level feedback queues (FastServe §4.1): classic MLFQ, skip-join MLFQ, and the
-fixed-priority baseline that orders by input length only."""
+"""Multi-level feedback queues (FastServe §4.1): classic MLFQ and skip-join MLFQ."""
 from __future__ import annotations
 
 import bisect
@@ -8,7 +7,7 @@ import itertools
 from collections.abc import Iterable
 
 from tokenslice.request import Request
-from tokenslice.sched.policy import LiveSetPolicy, Policy, PolicyContext, queue_position_estimates
+from tokenslice.sched.policy import Policy, PolicyContext, queue_position_estimates
 
 # Starvation limit when none is configured: the time to generate this many tokens at the
 # SLO pace (normalized-latency SLO x tokens). A job paused this long is already failing it.
@@ -227,31 +226,3 @@ class SkipJoinMLFQPolicy(Policy):
         exec_s = queue_position_estimates(ranked, self.budget, self.ctx.max_batch_size)
         return {rid: min(t, max(0.0, self.last_run[rid] + self.starvation_limit - now))
                 for rid, t in exec_s.items()}
-
-
-class FixedPriorityPolicy(LiveSetPolicy):
-    """Shorter input first, fixed for the job's life (FastServe's fixed-priority baseline)."""
-
-    name = "fixed-priority"
-
-    def __init__(self, ctx: PolicyContext) -> None:
-        super().__init__()
-        self.ctx = ctx
-        self._keys: list[tuple[int, float, int, str]] = []  # sorted: the ranking
-        self._order = itertools.count()
-        self._key_of: dict[str, tuple[int, float, int, str]] = {}
-
-    def on_arrival(self, req: Request, now: float) -> None:
-        super().on_arrival(req, now)
-        key = (req.num_prompt_tokens, req.arrival_time, next(self._order), req.request_id)
-        bisect.insort(self._keys, key)
-        self._key_of[req.request_id] = key
-
-    def on_finish(self, req: Request) -> None:
-        super().on_finish(req)
-        key = self._key_of.pop(req.request_id, None)
-        if key is not None:
-            del self._keys[bisect.bisect_left(self._keys, key)]
-
-    def ranked(self, now: float) -> Iterable[Request]:
-        return (self._live[k[3]] for k in self._keys)

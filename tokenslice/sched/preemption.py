@@ -11,6 +11,7 @@ from tokenslice.kv.manager import KVManager
 from tokenslice.plan import BlockTransfer, StepPlan, copy_runs
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
+from tokenslice.sched.protection import EvictionGuard
 from tokenslice.sched.stats import SchedulerStats
 
 
@@ -30,10 +31,7 @@ class Recompute:
         self.stats = stats
         self.requests = requests  # the scheduler's live requests (read only)
         self.swap_block_bytes = swap_block_bytes  # one block in its host format
-        # Anti-thrashing: a job whose KV was just loaded (prefill, recompute or swap-in) may not be
-        # evicted to load another until its service since the load repays the load's cost.
-        self._protected_until: dict[str, float] = {}  # request id -> own-share seconds
-        self._share: dict[str, float] = {}  # per request: its token share of the steps it ran in
+        self.guard = EvictionGuard(config.eviction_amortization)
         self.protection_blocked = False  # the last plan skipped a victim for its protection
         self._now = 0.0
         self._enst: dict[str, float] | None = None  # next-run estimates, once per plan on demand
@@ -70,7 +68,7 @@ class Recompute:
             enst = self.next_run_estimates()
             victims.sort(key=lambda r: enst.get(r.request_id, 0.0), reverse=True)
         if loads:
-            unprotected = [r for r in victims if not self._is_protected(r)]
+            unprotected = [r for r in victims if not self.guard.is_protected(r.request_id)]
             if len(unprotected) < len(victims):
                 self.protection_blocked = True
                 victims = unprotected
@@ -88,13 +86,14 @@ class Recompute:
         dropped.add(victim.request_id)
 
     def load(self, req: Request, on_host: bool, holds_kv: bool, plan: StepPlan) -> bool:
-        """A job chosen to run whose KV must be loaded is protected (see _protect); one on host
-        is swapped in. False: it runs once an asynchronous upload completes."""
+        """A job chosen to run whose KV must be loaded is protected (sched/protection.py); one
+        on host is swapped in. False: it runs once an asynchronous upload completes."""
+        rid = req.request_id
         if on_host:
-            self._protect(req, self._swap_seconds(len(self.kv.host_blocks(req.request_id))))
+            self.guard.protect(rid, self._swap_seconds(len(self.kv.host_blocks(rid))))
             return self._upload(req, plan)
         if not holds_kv:
-            self._protect(req, self.ctx.first_iteration_s(req.num_tokens - 1))
+            self.guard.protect(rid, self.ctx.first_iteration_s(req.num_tokens - 1))
         return True
 
     def _upload(self, req: Request, plan: StepPlan) -> bool:
@@ -135,31 +134,6 @@ class Recompute:
                                len(copy_runs(pairs)))
         if direction == "out":
             self.preempt(req)
-
-    # ---- anti-thrashing -----------------------------------------------------------------------
-    def _protect(self, req: Request, load_s: float) -> None:
-        """The collapse FastServe §4.2 guards against with ENST-ordered swaps: when many jobs of
-        similar priority want more KV than the device holds, MLFQ's short top quanta would rotate
-        them through memory every few iterations, each rotation paying a swap or a recompute. A
-        loaded job is protected from eviction by other loads until it has run for
-        `eviction_amortization` x its load time, so loading costs at most that fraction of
-        useful work."""
-        factor = self.config.eviction_amortization
-        if factor > 0:
-            rid = req.request_id
-            self._protected_until[rid] = self._share.get(rid, 0.0) + factor * load_s
-
-    def _is_protected(self, req: Request) -> bool:
-        until = self._protected_until.get(req.request_id)
-        return until is not None and self._share.get(req.request_id, 0.0) < until
-
-    def charge_service(self, request_id: str, seconds: float) -> None:
-        """The job's own share of a step it ran in (by tokens): what its residency bought."""
-        self._share[request_id] = self._share.get(request_id, 0.0) + seconds
-
-    def forget(self, request_id: str) -> None:
-        self._protected_until.pop(request_id, None)
-        self._share.pop(request_id, None)
 
     def _swap_seconds(self, num_blocks: int) -> float:
         cost = self.ctx.cost

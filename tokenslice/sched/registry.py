@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.sched.fcfs import FCFSPolicy, RequestLevelPolicy
-from tokenslice.sched.mlfq import FixedPriorityPolicy, SkipJoinMLFQPolicy
+from tokenslice.sched.fixed_priority import FixedPriorityPolicy
+from tokenslice.sched.mlfq import SkipJoinMLFQPolicy
 from tokenslice.sched.policy import Policy, PolicyContext
 from tokenslice.sched.speculative import SpeculativeSRPTPolicy
 from tokenslice.sched.srpt import SRPTOraclePolicy
@@ -16,7 +17,7 @@ _BUILDERS: dict[str, Callable[[PolicyContext], Policy]] = {
     "request-level": RequestLevelPolicy,
     "mlfq": lambda ctx: SkipJoinMLFQPolicy(ctx, skip_join=False),
     "skip-join-mlfq": lambda ctx: SkipJoinMLFQPolicy(ctx, skip_join=True),
-    "fixed-priority": FixedPriorityPolicy,
+    "fixed-priority": lambda ctx: FixedPriorityPolicy(),
     "srpt-oracle": SRPTOraclePolicy,
     "srpt-predicted": SpeculativeSRPTPolicy,
 }

@@ -168,7 +168,7 @@ class Scheduler:
             req = self.requests.get(s.request_id)
             if req is None:  # aborted while the step ran
                 continue
-            self.preemption.charge_service(s.request_id, per_token * len(s.token_ids))
+            self.preemption.guard.charge_service(s.request_id, per_token * len(s.token_ids))
             req.num_computed_tokens += len(s.token_ids)
             m = req.metrics
             m.iterations += 1
@@ -233,7 +233,7 @@ class Scheduler:
             req.num_computed_tokens += k
             m = req.metrics
             m.iterations += k
-            self.preemption.charge_service(req.request_id, sum(durations) / len(reqs))
+            self.preemption.guard.charge_service(req.request_id, sum(durations) / len(reqs))
             service = m.attained_service_s
             for d in durations:
                 service += d
@@ -255,7 +255,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, now: float, state: RequestState) -> None:
         self.requests.pop(req.request_id, None)
-        self.preemption.forget(req.request_id)
+        self.preemption.guard.forget(req.request_id)
         self._running.discard(req.request_id)
         self.kv.free(req.request_id)
         req.state = state
