@@ -14,7 +14,7 @@ from tokenslice.config import CacheConfig, EngineConfig, ModelConfig
 from tokenslice.engine.async_engine import AsyncEngine, EngineOverloadedError, MAX_CONSECUTIVE_FAULTS
 from tokenslice.engine.engine import Engine
 from tokenslice.plan import StepPlan, StepResult
-from tokenslice.request import InvalidRequestError, RequestOutput, SamplingParams
+from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput, SamplingParams
 
 MODEL = "builtin:tiny"
 
@@ -38,8 +38,8 @@ def test_abort_frees_kv_within_one_iteration(engine: Engine) -> None:
         ae = AsyncEngine(engine, max_waiting=8, observer=seen.append)
         ae.start()
         try:
-            stream = await ae.add_request("long", engine.tokenize("abort me"),
-                                          SamplingParams(max_tokens=900, ignore_eos=True))
+            stream = await ae.add_request(EngineRequest("long", engine.tokenize("abort me"),
+                                                        SamplingParams(max_tokens=900, ignore_eos=True)))
             got = [await stream.__anext__() for _ in range(3)]
             assert all(o.new_token_ids for o in got)
             ae.abort(stream)
@@ -69,16 +69,16 @@ def test_invalid_request_and_admission_limit(engine: Engine) -> None:
         ae.start()
         try:
             with pytest.raises(InvalidRequestError) as exc:
-                await ae.add_request("too-long", [1] * 5000, SamplingParams(max_tokens=4))
+                await ae.add_request(EngineRequest("too-long", [1] * 5000, SamplingParams(max_tokens=4)))
             assert exc.value.param == "prompt"
             assert ae.num_queued == 0
             # Two admitted requests hold the queue until they produce output; a third is refused.
-            a = asyncio.ensure_future(ae.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4)))
-            b = asyncio.ensure_future(ae.add_request("b", [1, 2, 3], SamplingParams(max_tokens=4)))
+            a = asyncio.ensure_future(ae.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=4))))
+            b = asyncio.ensure_future(ae.add_request(EngineRequest("b", [1, 2, 3], SamplingParams(max_tokens=4))))
             await asyncio.sleep(0)  # both tasks enqueue; their first outputs cannot be back yet
             assert ae.num_queued == 2
             with pytest.raises(EngineOverloadedError):
-                await ae.add_request("c", [1, 2, 3], SamplingParams(max_tokens=4))
+                await ae.add_request(EngineRequest("c", [1, 2, 3], SamplingParams(max_tokens=4)))
             for s in await asyncio.gather(a, b):
                 outs = [o async for o in s]
                 assert outs[-1].finished and outs[-1].num_output_tokens <= 4

@@ -81,6 +81,22 @@ class RequestMetrics:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
+@dataclass
+class EngineRequest:
+    """A new request as it enters the engine: the one message the server, the offline API and
+    trace replays hand over (tokenized; the engine validates it on arrival)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float | None = None  # None: when the engine receives it
+    user: str | None = None  # the OpenAI `user` field
+    priority: int = 0  # lower runs first
+    expected_output_tokens: int | None = None  # the true length: oracles and experiments only
+    predicted_output_tokens: int | None = None  # an output-length prediction made upstream
+    eos_after: int | None = None  # trace replay: stop as at an EOS after this many tokens (Request.eos_after)
+
+
 class Request:
     """One generation request as the scheduler sees it: tokens, KV progress, state, accounting."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from tokenslice.engine.engine import Engine
 from tokenslice.sched.stats import SchedulerStats
-from tokenslice.request import InvalidRequestError, RequestOutput, SamplingParams
+from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +97,7 @@ class RequestStream:
 @dataclass
 class _Add:
     stream: RequestStream
-    prompt: list[int]
-    params: SamplingParams
-    arrival_time: float | None
-    user: str | None
-    priority: int
-    expected_output_tokens: int | None
+    request: EngineRequest
 
 
 @dataclass
@@ -176,9 +171,7 @@ class AsyncEngine:
         return self._num_queued
 
     # ---- requests (event-loop side) ---------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, *,
-                          arrival_time: float | None = None, user: str | None = None, priority: int = 0,
-                          expected_output_tokens: int | None = None) -> RequestStream:
+    async def add_request(self, request: EngineRequest) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError for a
         request the engine refuses, EngineOverloadedError when max_waiting requests already
         wait for their first token, EngineDeadError when the loop is not running."""
@@ -186,11 +179,11 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop was never started")
         if self._num_queued >= self.max_waiting:
             raise EngineOverloadedError(f"{self._num_queued} requests are already waiting")
-        stream = RequestStream(request_id, self._loop)
+        stream = RequestStream(request.request_id, self._loop)
         with self._lock:
             if not self.is_alive:
                 raise EngineDeadError("the engine loop is not running")
-            self._commands.put(_Add(stream, prompt, params, arrival_time, user, priority, expected_output_tokens))
+            self._commands.put(_Add(stream, request))
         self._num_queued += 1
         try:
             await stream.accepted
@@ -289,9 +282,7 @@ class AsyncEngine:
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id
         try:
-            self.engine.add_request(cmd.prompt, cmd.params, request_id=rid, arrival_time=cmd.arrival_time,
-                                    user=cmd.user, priority=cmd.priority,
-                                    expected_output_tokens=cmd.expected_output_tokens)
+            self.engine.add(cmd.request)
         except InvalidRequestError as e:
             self._call_soon(self._settle, cmd.stream, e)
             return

@@ -19,7 +19,7 @@ from tokenslice.engine.detokenizer import IncrementalDetokenizer
 from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
-from tokenslice.request import (CompletionOutput, InvalidRequestError, Request, RequestOutput,
+from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestError, Request, RequestOutput,
                                 SamplingParams)
 from tokenslice.predict.cost import CostModel, load_cost_model
 from tokenslice.sched.policy import PolicyContext
@@ -122,9 +122,10 @@ class Engine:
             self.length_predictor.close()
             self.length_predictor = None
 
-    def _predict_length(self, req: Request, prompt: str | list[int]) -> None:
+    def _predict_length(self, req: Request, text: str | None) -> None:
         """ALISE §3.1: predict the output length at arrival; learn the real one at finish."""
-        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        if text is None:
+            text = self.tokenizer.decode(req.prompt_token_ids)
         self._prompt_text[req.request_id] = text
         if req.predicted_output_tokens is None:
             req.predicted_output_tokens = max(1, round(self.length_predictor.predict_one(text)))
@@ -169,25 +170,36 @@ class Engine:
                     user: str | None = None, priority: int = 0,
                     expected_output_tokens: int | None = None,
                     predicted_output_tokens: int | None = None, eos_after: int | None = None) -> Request:
+        """Tokenize `prompt` (text or token ids) and add it (see `add`)."""
         params = params or SamplingParams()
+        params.validate()  # before tokenizing: a bad setting is the clearer error
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        new = EngineRequest(rid, self.tokenize(prompt), params, arrival_time, user, priority,
+                            expected_output_tokens, predicted_output_tokens, eos_after)
+        return self.add(new, prompt if isinstance(prompt, str) else None)
+
+    def add(self, new: EngineRequest, prompt_text: str | None = None) -> Request:
+        """Validate and admit a request; raises InvalidRequestError for one the engine refuses.
+        `prompt_text` spares the length predictor a detokenization."""
+        params = new.params
         params.validate()
-        ids = self.tokenize(prompt)
+        ids = list(new.prompt_token_ids)
         self._check_prompt(ids)
         if not params.ignore_eos and len(self.eos_token_ids) > 1:
             # Extra end-of-sequence ids (Llama 3 lists several) stop like stop tokens.
             params = dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids) + self.eos_token_ids[1:])
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, params, self.clock.now() if arrival_time is None else arrival_time,
-                      user=user, priority=priority, expected_output_tokens=expected_output_tokens,
-                      predicted_output_tokens=predicted_output_tokens,
+        now = self.clock.now()
+        req = Request(new.request_id, ids, params, now if new.arrival_time is None else new.arrival_time,
+                      user=new.user, priority=new.priority, expected_output_tokens=new.expected_output_tokens,
+                      predicted_output_tokens=new.predicted_output_tokens,
                       eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None)
         req.max_total_tokens = self.max_model_len
-        req.eos_after = eos_after
+        req.eos_after = new.eos_after
         if self.length_predictor is not None and self.tokenizer is not None:
-            self._predict_length(req, prompt)
-        self.scheduler.add(req, self.clock.now())
+            self._predict_length(req, prompt_text)
+        self.scheduler.add(req, now)
         if self.tokenizer is not None:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         return req
 
     def _check_prompt(self, ids: list[int]) -> None:

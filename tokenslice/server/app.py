@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenslice.engine.async_engine import (AsyncEngine, EngineDeadError, EngineFaultError,
                                             EngineOverloadedError, RequestStream)
 from tokenslice.engine.engine import Engine
-from tokenslice.request import InvalidRequestError, RequestOutput, SamplingParams
+from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput, SamplingParams
 from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatMessageOut, ChatStreamChoice,
@@ -346,9 +346,9 @@ class Server:
     async def submit(self, track: _Track, prompt: list[int], params: SamplingParams, body: SamplingFields,
                      arrival: float) -> RequestStream:
         try:
-            return await self.async_engine.add_request(
+            return await self.async_engine.add_request(EngineRequest(
                 track.request_id, prompt, params, arrival_time=arrival, user=body.user, priority=body.priority,
-                expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None)
+                expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None))
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except EngineOverloadedError:
