@@ -44,7 +44,7 @@ def simulate(policy: str, items: list[Item], blocks: int = 100_000, preemption: 
 
 def fingerprint(reqs: list[Request]) -> list[tuple]:
     return [(r.metrics.token_times, r.metrics.finish_time, r.metrics.preemptions, r.metrics.recomputed_tokens,
-             r.metrics.attained_service_s) for r in reqs]
+             r.metrics.exec_s) for r in reqs]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

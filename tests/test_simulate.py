@@ -164,5 +164,5 @@ def test_records_from_engine_requests(cost) -> None:
     assert [r.request_id for r in records] == [w.request_id for w in wl]
     assert sum(r.preemptions for r in records) == sum(q.metrics.preemptions for q in reqs)
     for rec, req in zip(records, reqs, strict=True):
-        assert rec.exec_s == req.metrics.attained_service_s
+        assert rec.exec_s == req.metrics.exec_s
         assert rec.token_times == req.metrics.token_times and rec.ttft is not None

@@ -62,7 +62,7 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
-    attained_service_s: float = 0.0  # execution seconds of steps the request ran in
+    exec_s: float = 0.0  # execution seconds of the steps it ran in (MLFQ's "attained service")
     iterations: int = 0
     preemptions: int = 0
     swaps: int = 0  # moves of its KV between tiers, either way

@@ -160,14 +160,14 @@ def predict_lengths(requests: Sequence[WorkloadRequest], length_predictor: str |
 def records_from_requests(reqs: Sequence[Request]) -> list[RequestRecord]:
     """Client-view records of simulated (or real) engine requests, with the server-side counters.
 
-    queue_s = e2e - attained execution - swap stall; exec_s = attained service (the step times of
-    every iteration the request ran in). Swap stall is 0 until the KV manager reports one.
+    queue_s = e2e - exec_s - swap stall; exec_s = the step times of every iteration the request
+    ran in (MLFQ's attained service).
     """
     out = []
     for r in reqs:
         m = r.metrics
         finished = m.finish_time is not None and r.finish_reason != "abort"
-        stall = float(getattr(m, "swap_stall_s", 0.0))
+        stall = m.swap_stall_s
         e2e = (m.finish_time - m.arrival_time) if m.finish_time is not None else 0.0
         out.append(RequestRecord(
             request_id=r.request_id, arrival=m.arrival_time, prompt_tokens=r.num_prompt_tokens,
@@ -175,10 +175,9 @@ def records_from_requests(reqs: Sequence[Request]) -> list[RequestRecord]:
             token_times=list(m.token_times), finish_time=m.finish_time, ok=finished,
             error=None if finished else (r.finish_reason or "unfinished"), user=r.user, priority=r.priority,
             preemptions=m.preemptions, recomputed_tokens=m.recomputed_tokens,
-            swap_out_bytes=int(getattr(m, "swap_out_bytes", 0)), swap_in_bytes=int(getattr(m, "swap_in_bytes", 0)),
-            swap_ops=int(getattr(m, "swap_ops", m.swaps)), swap_stall_s=stall,
+            swap_out_bytes=m.swap_out_bytes, swap_in_bytes=m.swap_in_bytes, swap_ops=m.swap_ops, swap_stall_s=stall,
             # Clamped: float sums of step times can overshoot e2e by an ulp.
-            queue_s=max(0.0, e2e - m.attained_service_s - stall), exec_s=m.attained_service_s))
+            queue_s=max(0.0, e2e - m.exec_s - stall), exec_s=m.exec_s))
     return out
 
 

@@ -172,7 +172,7 @@ class Scheduler:
             req.num_computed_tokens += len(s.token_ids)
             m = req.metrics
             m.iterations += 1
-            m.attained_service_s += result.step_seconds - sync_s
+            m.exec_s += result.step_seconds - sync_s
             m.swap_stall_s += sync_s
             ran.append(req)
             if not s.sample:
@@ -234,10 +234,10 @@ class Scheduler:
             m = req.metrics
             m.iterations += k
             self.preemption.guard.charge_service(req.request_id, sum(durations) / len(reqs))
-            service = m.attained_service_s
+            service = m.exec_s
             for d in durations:
                 service += d
-            m.attained_service_s = service
+            m.exec_s = service
             req.output_token_ids.extend(new_tokens)
             m.token_times.extend(ends)
         for req in reqs:  # finishes first, then the policy's charge, as in a single step
