@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PREEMPTION_MODES = ("defer", "recompute", "reactive-swap", "proactive-swap")
-SWAP_MODES = ("reactive-swap", "proactive-swap")  # the modes that use a host KV tier
 EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
 
 

@@ -67,7 +67,6 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.num_steps = 0
-        self.last_step_seconds = 0.0
         self.timings = StepTimings()
         # Simulator only: repeat unchanged decode batches in bulk between events (exact).
         self.fast_forward = False
@@ -255,7 +254,6 @@ class Engine:
         t2 = time.perf_counter()
         self.clock.advance(result.step_seconds)
         self.num_steps += 1
-        self.last_step_seconds = result.step_seconds
         now = self.clock.now()
         produced = self.scheduler.update(plan, result, now)
         if self._detok:
@@ -308,7 +306,6 @@ class Engine:
         sched.repeat_decode(reqs, durations[:k], ends[:k], sim.token)
         self.clock.advance_to(ends[k - 1])
         self.num_steps += k
-        self.last_step_seconds = durations[k - 1]
         return reqs
 
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:

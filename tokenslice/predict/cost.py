@@ -72,15 +72,6 @@ class BatchShape:
     def num_seqs(self) -> int:
         return self.prefill_seqs + self.decode_seqs
 
-    @property
-    def attention_pairs(self) -> int:
-        """(query, key) pairs attention computes.
-
-        Decode queries attend their whole context; counting every sequence's context once adds a
-        single row per prefill chunk on top of prefill_context, a negligible over-count.
-        """
-        return self.context_tokens + self.prefill_context
-
     def is_empty(self) -> bool:
         return self.num_tokens == 0
 
