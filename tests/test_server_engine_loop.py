@@ -102,6 +102,9 @@ class FlakyExecutor:
             raise RuntimeError("injected executor fault")
         return self.inner.execute(plan)  # type: ignore[attr-defined]
 
+    def close(self) -> None:
+        self.inner.close()  # type: ignore[attr-defined]
+
 
 def test_engine_fault_is_500_then_server_recovers_or_reports_dead() -> None:
     with start_server("--kv-cache-blocks", "32") as srv:

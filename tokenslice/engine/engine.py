@@ -42,6 +42,8 @@ class StepTimings:
 class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
+    def close(self) -> None: ...
+
 
 class TraceItem(Protocol):
     """One request of a workload trace (bench.workloads.WorkloadRequest has these fields)."""
@@ -114,9 +116,7 @@ class Engine:
 
     def close(self) -> None:
         """Release executor resources (transfer threads) and the length predictor. Idempotent."""
-        close = getattr(self.executor, "close", None)
-        if close is not None:
-            close()
+        self.executor.close()
         if self.length_predictor is not None:
             self.length_predictor.close()
             self.length_predictor = None

@@ -73,6 +73,9 @@ class SimulatedExecutor:
         return BatchShape.from_lengths(prefill=[(s.num_tokens, s.start_pos) for s in plan.prefill],
                                        decode=[s.start_pos + 1 for s in plan.decode])
 
+    def close(self) -> None:
+        pass  # nothing runs in the background
+
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = self.clock.now() if self.clock is not None else 0.0
         out_s, in_s = self.copy_seconds(plan.swap_out), self.copy_seconds(plan.swap_in)
