@@ -16,6 +16,17 @@ OFFLOAD_DTYPES = ("auto", "int8")  # host KV: as on device, or per-channel int8 
 EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
 
 
+def field_from(cls: type, name: str, **changes: Any) -> Any:
+    """A dataclass field declared like `cls`'s field `name` (its default and metadata), for
+    classes that carry a config setting of their own (bench.simulate.SweepSpec); `changes`
+    override, e.g. a deliberately different default."""
+    f = next(f for f in fields(cls) if f.name == name)
+    kw: dict[str, Any] = {"metadata": f.metadata}
+    if "default" not in changes and "default_factory" not in changes:
+        kw.update(default=f.default, default_factory=f.default_factory)
+    return field(**{**kw, **changes})
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
