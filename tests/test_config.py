@@ -46,3 +46,28 @@ def test_llm_refuses_unknown_keywords_before_loading() -> None:
 
     with pytest.raises(TypeError, match="max_batch"):
         LLM("/nonexistent/model-dir", max_batch=3)
+
+
+def test_cli_engine_flags_default_to_the_config() -> None:
+    from tokenslice.cli import build_parser, engine_config_from_args
+
+    for cmd in (["serve"], ["generate", "--prompt", "x"]):
+        assert engine_config_from_args(build_parser().parse_args(cmd)) == EngineConfig()
+    args = build_parser().parse_args(["serve", "--max-batch-size", "3", "--offload-dtype", "int8",
+                                      "--mlfq-num-queues", "4", "--dtype", "float32"])
+    cfg = engine_config_from_args(args)
+    assert (cfg.scheduler.max_batch_size, cfg.cache.offload_dtype) == (3, "int8")
+    assert (cfg.scheduler.mlfq_num_queues, cfg.model.dtype) == (4, "float32")
+
+
+def test_cli_help_shows_defaults_but_not_the_api_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tokenslice.cli import build_parser
+
+    monkeypatch.setenv("TOKENSLICE_API_KEY", "not-for-help")
+    parser = build_parser()
+    for cmd in ("serve", "bench"):
+        sub = parser._subparsers._group_actions[0].choices[cmd]  # type: ignore[union-attr]
+        text = sub.format_help()
+        assert "not-for-help" not in text
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    assert f"(default: {SchedulerConfig.eviction_amortization})" in " ".join(serve.format_help().split())

@@ -13,16 +13,17 @@ import typing
 from typing import Any
 
 from tokenslice.config import EMBED_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenslice.request import SamplingParams
 
 
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows each option's default (most come from the config dataclasses, not from this file),
-    unless it has none or its help already says what it is."""
+    unless it has none or its help already says "default: ..." itself."""
 
     def _format_action(self, action: argparse.Action) -> str:
         d = action.default
         if (action.option_strings and d is not None and d is not argparse.SUPPRESS and not isinstance(d, bool)
-                and "default" not in (action.help or "")):
+                and "default:" not in (action.help or "")):
             action = copy.copy(action)
             action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
         return super()._format_action(action)
@@ -115,9 +116,12 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_options(**{k: v for k, v in vars(a).items() if k in names})
 
 
+# Tokens `generate` samples per prompt unless --max-tokens says otherwise.
+GENERATE_MAX_TOKENS = 64
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from tokenslice.engine.engine import Engine
-    from tokenslice.request import SamplingParams
 
     engine = Engine.from_config(engine_config_from_args(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
@@ -285,11 +289,18 @@ BENCH_SERVER_FLAGS = ((SchedulerConfig, "max_batch_size"), (CacheConfig, "kv_cac
 
 def add_bench_subcommand(sub: Any) -> None:
     """`bench`: load over HTTP against our servers (one per policy) or any OpenAI-compatible URL."""
-    from tokenslice.bench.client import ENDPOINTS, PROMPT_FORMATS
+    from tokenslice.bench.client import ENDPOINTS, PROMPT_FORMATS, ClientConfig
+    from tokenslice.bench.sweep import BenchSpec
     from tokenslice.bench.workloads import WORKLOAD_NAMES
 
     b = sub.add_parser("bench", help="benchmark over HTTP: policies x rates against real servers, "
                        "or any OpenAI-compatible URL")
+
+    def spec(name: str, **kwargs: Any) -> None:
+        add_field_flag(b, BenchSpec, name, **kwargs)
+
+    def client(name: str, **kwargs: Any) -> None:
+        add_field_flag(b, ClientConfig, name, **kwargs)
     target = b.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="an OpenAI-compatible server to benchmark (base URL, with or without /v1)")
     target.add_argument("--model", help="start `tokenslice serve --model MODEL` per policy (a Hugging Face "
@@ -306,36 +317,35 @@ def add_bench_subcommand(sub: Any) -> None:
     points = b.add_mutually_exclusive_group(required=True)
     points.add_argument("--rates", help="comma-separated arrival rates (req/s), open loop")
     points.add_argument("--concurrency", help="comma-separated fixed numbers of requests in flight (closed loop)")
-    b.add_argument("--cv", type=float, default=1.0, help="arrival-gap coefficient of variation (1: Poisson)")
-    b.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight at any rate")
-    b.add_argument("--num-requests", type=int, default=200)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--max-tokens-cap", type=int, default=None)
-    b.add_argument("--max-prompt-len", type=int, default=None)
-    b.add_argument("--length-filter", action="store_true", help="vLLM's benchmark length filter")
-    b.add_argument("--input-len", type=int, default=128, help="synthetic workloads: prompt length (mean)")
-    b.add_argument("--output-len", type=int, default=128, help="synthetic workloads: output length (mean)")
-    b.add_argument("--min-len", type=int, default=1, help="synthetic workloads: shortest length")
-    b.add_argument("--max-len", type=int, default=2048, help="synthetic workloads: longest length")
+    spec("cv", help="arrival-gap coefficient of variation (1: Poisson)")
+    client("max_concurrency", help="cap on requests in flight at any rate")
+    spec("num_requests")
+    spec("seed")
+    spec("max_tokens_cap")
+    spec("max_prompt_len")
+    spec("length_filter", help="vLLM's benchmark length filter")
+    spec("input_len", help="synthetic workloads: prompt length (mean)")
+    spec("output_len", help="synthetic workloads: output length (mean)")
+    spec("min_len", help="synthetic workloads: shortest length")
+    spec("max_len", help="synthetic workloads: longest length")
     b.add_argument("--slo-normalized-latency", default=None, help="s/token, or 'auto': 10x the decode step "
                    "a lone request sees on the first server (the paper protocol)")
     b.add_argument("--slo-ttft", type=float, default=None, help="per-request TTFT bound (s)")
     b.add_argument("--slo-tpot", type=float, default=None, help="per-request TPOT bound (s)")
-    b.add_argument("--slo-attainment", type=float, default=0.9,
-                   help="without a normalized-latency SLO: share of requests that must meet TTFT/TPOT")
-    b.add_argument("--early-stop-factor", type=float, default=2.0,
-                   help="stop a policy's sweep once past this x the SLO (0: run every point)")
-    b.add_argument("--endpoint", default="completions", choices=list(ENDPOINTS))
-    b.add_argument("--prompt-format", default="auto", choices=list(PROMPT_FORMATS),
-                   help="auto: dataset text (else token ids); synthetic: token ids of each request's length")
+    spec("slo_attainment", help="without a normalized-latency SLO: share of requests that must meet TTFT/TPOT")
+    spec("early_stop_factor", help="stop a policy's sweep once past this x the SLO (0: run every point)")
+    client("endpoint", choices=list(ENDPOINTS))
+    client("prompt_format", choices=list(PROMPT_FORMATS),
+           help="auto: dataset text (else token ids); synthetic: token ids of each request's length")
     b.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (outputs may end early)")
     b.add_argument("--expected-length", default="auto", choices=["auto", "on", "off"],
                    help="send tokenslice.expected_output_tokens (for srpt-oracle; auto: with --model)")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--request-timeout", type=float, default=600.0, help="seconds; a request past it fails")
-    b.add_argument("--history-max-chars", type=int, default=None,
-                   help="multi-turn: drop a conversation's oldest turns beyond this many characters")
-    b.add_argument("--warmup", type=int, default=4, help="unrecorded requests sent to each server first")
+    client("temperature")
+    b.add_argument("--request-timeout", type=float, default=ClientConfig.request_timeout_s,
+                   help="seconds; a request past it fails")
+    client("history_max_chars", help="multi-turn: drop a conversation's oldest turns beyond this many characters")
+    b.add_argument("--warmup", type=int, default=BenchSpec.warmup_requests,
+                   help="unrecorded requests sent to each server first")
     srv = b.add_argument_group("servers started with --model", "engine flags below are passed on to each "
                                "`tokenslice serve` when given; servers keep serve's default for the rest")
     for cls, name in BENCH_SERVER_FLAGS:
@@ -343,8 +353,8 @@ def add_bench_subcommand(sub: Any) -> None:
     srv.add_argument("--profile", default=None, help="cost model the policies use (see `serve --profile`)")
     srv.add_argument("--server-threads", type=int, default=None, help="torch threads in each server")
     srv.add_argument("--server-args", default=None, help="further `serve` flags, as one quoted string")
-    srv.add_argument("--interleave", action="store_true", help="start every policy's server at once and let "
-                     "the policies take turns at each rate, so that drifting machine load hits all alike")
+    add_field_flag(srv, BenchSpec, "interleave", help="start every policy's server at once and let the policies "
+                   "take turns at each rate, so that drifting machine load hits all alike")
     b.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
     b.add_argument("--plot", default=None, help="write a PNG figure")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -538,12 +548,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text offline for one or more prompts")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", required=True, help="may be given several times")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    add_field_flag(g, SamplingParams, "max_tokens", default=GENERATE_MAX_TOKENS,
+                   help=f"more than an API request's default ({SamplingParams.max_tokens}, OpenAI's), so that a "
+                   "continuation is long enough to read")
+    for name in ("temperature", "top_p", "top_k"):
+        add_field_flag(g, SamplingParams, name)
     g.add_argument("--stop", action="append")
-    g.add_argument("--ignore-eos", action="store_true")
+    add_field_flag(g, SamplingParams, "ignore_eos")
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     g.set_defaults(func=cmd_generate)
 
