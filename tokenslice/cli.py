@@ -76,7 +76,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(ModelConfig, "seed", help="random seed (generate: the sampling seed)")
     flag(CacheConfig, "block_size")
     flag(CacheConfig, "kv_cache_blocks", help="device KV blocks (overrides --kv-memory-fraction)")
-    flag(CacheConfig, "kv_memory_fraction", help="share of free device memory (on CPU: of RAM) for KV")
+    flag(CacheConfig, "kv_memory_fraction", help="share of free device memory (on CPU: of available RAM) for KV")
     flag(CacheConfig, "swap_space_gb", help="host memory for swapped-out KV (reactive-swap / proactive-swap)")
     flag(CacheConfig, "host_kv_blocks", help="host KV blocks (overrides --swap-space-gb)")
     flag(CacheConfig, "offload_dtype", help="int8: per-channel int8 KV on host, dequantized on upload")
@@ -301,6 +301,7 @@ def add_bench_subcommand(sub: Any) -> None:
 
     def client(name: str, **kwargs: Any) -> None:
         add_field_flag(b, ClientConfig, name, **kwargs)
+
     target = b.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="an OpenAI-compatible server to benchmark (base URL, with or without /v1)")
     target.add_argument("--model", help="start `tokenslice serve --model MODEL` per policy (a Hugging Face "
