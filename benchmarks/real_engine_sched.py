@@ -25,7 +25,8 @@ from tokenslice.bench.simulate import records_from_requests
 from tokenslice.bench.workloads import DatasetCache, make_workload
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
-from tokenslice.engine.profiler import ProfileOptions, run_profile
+from tokenslice.engine.profile_options import ProfileOptions
+from tokenslice.engine.profiler import run_profile
 from tokenslice.predict.cost import load_cost_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

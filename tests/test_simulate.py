@@ -166,3 +166,17 @@ def test_records_from_engine_requests(cost) -> None:
     for rec, req in zip(records, reqs, strict=True):
         assert rec.exec_s == req.metrics.exec_s
         assert rec.token_times == req.metrics.token_times and rec.ttft is not None
+
+
+def test_sweep_spec_takes_scheduler_defaults_from_the_config() -> None:
+    from tokenslice.bench.simulate import SIMULATE_MAX_BATCH_SIZE
+    from tokenslice.config import CacheConfig, SchedulerConfig
+
+    spec = SweepSpec(workload="synthetic-lognormal", policies=["fcfs"], rates=[1.0])
+    assert spec.scheduler_config("mlfq", 0.5) == SchedulerConfig(policy="mlfq", slo_normalized_latency=0.5,
+                                                                 max_batch_size=SIMULATE_MAX_BATCH_SIZE)
+    assert (spec.block_size, spec.offload_dtype) == (CacheConfig.block_size, CacheConfig.offload_dtype)
+    tuned = SweepSpec(workload="synthetic-lognormal", policies=["fcfs"], rates=[1.0], eviction_amortization=0.0,
+                      mlfq_num_queues=4, length_predictor="/some/dir")
+    cfg = tuned.scheduler_config("fcfs", 0.5)
+    assert (cfg.eviction_amortization, cfg.mlfq_num_queues, cfg.length_predictor) == (0.0, 4, None)

@@ -3,77 +3,125 @@ kebab-case names of config fields (DESIGN.md)."""
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import functools
 import logging
 import os
 import sys
+import typing
 from typing import Any
 
-from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, EMBED_DTYPES, PREEMPTION_MODES
+from tokenslice.config import EMBED_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenslice.request import SamplingParams
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default (most come from the config dataclasses, not from this file),
+    unless it has none or its help already says "default: ..." itself."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        d = action.default
+        if (action.option_strings and d is not None and d is not argparse.SUPPRESS and not isinstance(d, bool)
+                and "default:" not in (action.help or "")):
+            action = copy.copy(action)
+            action.help = f"{action.help} (default: %(default)s)" if action.help else "default: %(default)s"
+        return super()._format_action(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def add_field_flag(p: Any, cls: type, name: str, **kwargs: Any) -> argparse.Action:
+    """Add `--name` (kebab case) for the field `name` of the dataclass `cls` (DESIGN.md: flags are
+    config field names): its default, type and choices come from the field, so none is written
+    twice. `kwargs` go to argparse (help, metavar, required, ...) and win over the field's."""
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if f is None:
+        raise AttributeError(f"{cls.__name__} has no field {name!r}")
+    kind = _field_types(cls)[name]
+    options = [t for t in typing.get_args(kind) if t is not type(None)]
+    if len(options) == 1:  # X | None
+        kind = options[0]
+    if f.default is not dataclasses.MISSING:
+        kwargs.setdefault("default", f.default)
+    if kind is bool:
+        kwargs.setdefault("action", "store_true")
+    elif kind in (int, float):
+        kwargs.setdefault("type", kind)
+    if "choices" in f.metadata:
+        kwargs.setdefault("choices", list(f.metadata["choices"]))
+    return p.add_argument("--" + name.replace("_", "-"), **kwargs)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every subcommand that builds an engine."""
-    p.add_argument("--model", default="builtin:tiny", help="local Hugging Face directory or builtin:tiny")
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0, help="random seed (generate: the sampling seed)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-blocks", type=int, default=None)
-    p.add_argument("--kv-memory-fraction", type=float, default=0.25)
-    p.add_argument("--swap-space-gb", type=float, default=4.0,
-                   help="host memory for swapped-out KV (reactive-swap / proactive-swap)")
-    p.add_argument("--host-kv-blocks", type=int, default=None, help="host KV blocks (overrides --swap-space-gb)")
-    p.add_argument("--offload-dtype", default="auto", choices=["auto", "int8"],
-                   help="int8: per-channel int8 KV on host, dequantized on upload")
-    p.add_argument("--policy", default="fcfs")
-    p.add_argument("--preemption", default="recompute", choices=list(PREEMPTION_MODES))
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--max-tokens-per-step", type=int, default=2048)
-    p.add_argument("--profile", default=None,
-                   help="cost model for policy decisions: a `tokenslice profile` JSON or model@hardware")
-    p.add_argument("--starvation-limit-s", type=float, default=None,
-                   help="MLFQ: promote jobs waiting longer than this (default: from the SLO)")
-    p.add_argument("--slo-normalized-latency", type=float, default=None, help="s/token; informs policy defaults")
-    p.add_argument("--length-predictor", default=None, metavar="DIR",
-                   help="output-length predictor directory from `tokenslice predictor build` (srpt-predicted)")
-    _add_burst_args(p)
+    """Flags shared by every subcommand that builds an engine: one per engine setting, named and
+    defaulted by its config field (engine_config_from_args routes them back)."""
+    def flag(cls: type, name: str, **kwargs: Any) -> None:
+        add_field_flag(p, cls, name, **kwargs)
+
+    flag(ModelConfig, "model", help="local Hugging Face directory or builtin:tiny")
+    flag(ModelConfig, "tokenizer", help="tokenizer directory (default: the model's)")
+    flag(ModelConfig, "dtype")
+    flag(ModelConfig, "device")
+    flag(ModelConfig, "max_model_len", help="longest prompt + output (default: the checkpoint's context)")
+    flag(ModelConfig, "seed", help="random seed (generate: the sampling seed)")
+    flag(CacheConfig, "block_size")
+    flag(CacheConfig, "kv_cache_blocks", help="device KV blocks (overrides --kv-memory-fraction)")
+    flag(CacheConfig, "kv_memory_fraction", help="share of free device memory (on CPU: of available RAM) for KV")
+    flag(CacheConfig, "swap_space_gb", help="host memory for swapped-out KV (reactive-swap / proactive-swap)")
+    flag(CacheConfig, "host_kv_blocks", help="host KV blocks (overrides --swap-space-gb)")
+    flag(CacheConfig, "offload_dtype", help="int8: per-channel int8 KV on host, dequantized on upload")
+    flag(SchedulerConfig, "policy")
+    flag(SchedulerConfig, "preemption")
+    flag(SchedulerConfig, "max_batch_size")
+    flag(SchedulerConfig, "max_tokens_per_step")
+    flag(EngineConfig, "profile",
+         help="cost model for policy decisions: a `tokenslice profile` JSON or model@hardware")
+    flag(SchedulerConfig, "starvation_limit_s",
+         help="MLFQ: promote jobs waiting longer than this (default: from the SLO)")
+    flag(SchedulerConfig, "slo_normalized_latency", help="s/token; informs policy defaults")
+    flag(SchedulerConfig, "length_predictor", metavar="DIR",
+         help="output-length predictor directory from `tokenslice predictor build` (srpt-predicted)")
+    _add_scheduler_tuning_args(p, SchedulerConfig)
 
 
-def _add_burst_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--burst-reserve-jobs", type=int, default=2,
-                   help="proactive-swap: keep free KV for this many new jobs (K)")
-    p.add_argument("--burst-reserve-queues", type=int, default=1,
+def _add_scheduler_tuning_args(p: argparse.ArgumentParser, cls: type) -> None:
+    """The policies' and preemption's knobs, for the engine (SchedulerConfig) and for sweeps
+    (bench.simulate.SweepSpec, whose fields of these names carry SchedulerConfig's defaults)."""
+    add_field_flag(p, cls, "burst_reserve_jobs", help="proactive-swap: keep free KV for this many new jobs (K)")
+    add_field_flag(p, cls, "burst_reserve_queues",
                    help="proactive-swap: ... or for the jobs of this many top queues (K')")
-    p.add_argument("--eviction-amortization", type=float, default=16.0,
+    add_field_flag(p, cls, "eviction_amortization",
                    help="anti-thrashing: a job whose KV was just loaded is not evicted for another load "
                         "until its service reached this many times the load's cost (0: off)")
-    p.add_argument("--srpt-aging", type=float, default=SchedulerConfig.srpt_aging,
+    add_field_flag(p, cls, "srpt_aging",
                    help="srpt-predicted virtual aging: seconds of predicted work each second of waiting "
                         "cancels (0: pure SRPT; larger: closer to FCFS, shorter tails)")
+    add_field_flag(p, cls, "mlfq_quantum_ratio", help="MLFQ: each queue's quantum is this many times the one above")
+    add_field_flag(p, cls, "mlfq_num_queues", help="MLFQ: number of priority queues")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device,
-                          max_model_len=a.max_model_len, seed=a.seed),
-        cache=CacheConfig(block_size=a.block_size, kv_cache_blocks=a.kv_cache_blocks,
-                          kv_memory_fraction=a.kv_memory_fraction, swap_space_gb=a.swap_space_gb,
-                          host_kv_blocks=a.host_kv_blocks, offload_dtype=a.offload_dtype),
-        scheduler=SchedulerConfig(policy=a.policy, preemption=a.preemption, max_batch_size=a.max_batch_size,
-                                  max_tokens_per_step=a.max_tokens_per_step, starvation_limit_s=a.starvation_limit_s,
-                                  slo_normalized_latency=a.slo_normalized_latency,
-                                  burst_reserve_jobs=a.burst_reserve_jobs,
-                                  burst_reserve_queues=a.burst_reserve_queues,
-                                  eviction_amortization=a.eviction_amortization, srpt_aging=a.srpt_aging,
-                                  length_predictor=a.length_predictor),
-        profile=a.profile)
+    """The engine flags (add_engine_args) back into an EngineConfig: each by its field name."""
+    names = set(EngineConfig.option_names())
+    return EngineConfig.from_options(**{k: v for k, v in vars(a).items() if k in names})
+
+
+# Tokens `generate` samples per prompt unless --max-tokens says otherwise.
+GENERATE_MAX_TOKENS = 64
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from tokenslice.engine.engine import Engine
-    from tokenslice.request import SamplingParams
 
     engine = Engine.from_config(engine_config_from_args(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
@@ -126,20 +174,12 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     from tokenslice.predict.cost import load_cost_model
 
     cost = load_cost_model(a.profile)
-    spec = SweepSpec(
-        workload=a.workload, policies=[p.strip() for p in a.policy.split(",") if p.strip()],
-        preemption=a.preemption, rates=_number_list(a.rates) if a.rates else None,
-        loads=_number_list(a.loads) if a.loads else None, cv=a.cv,
-        seeds=_number_list(a.seeds, int) if a.seeds else [a.seed], num_requests=a.num_requests,
-        max_batch_size=a.max_batch_size, max_tokens_per_step=a.max_tokens_per_step,
-        kv_cache_blocks=a.kv_cache_blocks, host_kv_blocks=a.host_kv_blocks, offload_dtype=a.offload_dtype,
-        burst_reserve_jobs=a.burst_reserve_jobs, burst_reserve_queues=a.burst_reserve_queues,
-        eviction_amortization=a.eviction_amortization, srpt_aging=a.srpt_aging,
-        block_size=a.block_size, slo_normalized_latency=a.slo_normalized_latency,
-        starvation_limit_s=a.starvation_limit_s, mlfq_quantum_ratio=a.mlfq_quantum_ratio,
-        mlfq_num_queues=a.mlfq_num_queues, dataset=a.dataset, tokenizer=a.tokenizer, io_ratio=a.io_ratio,
-        length_filter=a.length_filter, max_tokens_cap=a.max_tokens_cap, max_prompt_len=a.max_prompt_len,
-        length_predictor=a.length_predictor)
+    # Flags named like SweepSpec fields map onto them; the lists are parsed here.
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(SweepSpec) if hasattr(a, f.name)}
+    spec = SweepSpec(**{**given, "policies": [p.strip() for p in a.policy.split(",") if p.strip()],
+                        "rates": _number_list(a.rates) if a.rates else None,
+                        "loads": _number_list(a.loads) if a.loads else None,
+                        "seeds": _number_list(a.seeds, int) if a.seeds else [a.seed]})
     spec.validate()
     profile = a.profile if cost.name == a.profile else f"{a.profile} ({cost.name})"
     with tqdm(total=sweep_size(spec), desc="simulate", unit="run", file=sys.stderr, disable=a.quiet) as bar:
@@ -195,11 +235,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if not policies:
             raise ValueError("--model needs --policy (comma-separated policies to compare)")
         args = shlex.split(a.server_args or "")
-        for flag, value in (("--max-batch-size", a.max_batch_size), ("--kv-cache-blocks", a.kv_cache_blocks),
-                            ("--max-model-len", a.max_model_len), ("--preemption", a.preemption),
-                            ("--dtype", a.dtype), ("--profile", a.profile)):
-            if value is not None:
-                args += [flag, str(value)]
+        for name in [n for _, n in BENCH_SERVER_FLAGS] + ["profile"]:
+            if getattr(a, name) is not None:
+                args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
         server = ServerSpec(model=a.model, args=args, threads=a.server_threads, api_key=a.api_key)
         if tokenizer is None and Path(a.model).is_dir():
             tokenizer = a.model  # count dataset tokens as the served model does
@@ -243,18 +281,33 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+# Engine flags `bench --model` passes on to the servers it starts. Their default is None, not the
+# config's: a flag not given is not passed, so the servers keep serve's own default.
+BENCH_SERVER_FLAGS = ((SchedulerConfig, "max_batch_size"), (CacheConfig, "kv_cache_blocks"),
+                      (ModelConfig, "max_model_len"), (SchedulerConfig, "preemption"), (ModelConfig, "dtype"))
+
+
 def add_bench_subcommand(sub: Any) -> None:
     """`bench`: load over HTTP against our servers (one per policy) or any OpenAI-compatible URL."""
-    from tokenslice.bench.client import ENDPOINTS, PROMPT_FORMATS
+    from tokenslice.bench.client import ENDPOINTS, PROMPT_FORMATS, ClientConfig
+    from tokenslice.bench.sweep import BenchSpec
     from tokenslice.bench.workloads import WORKLOAD_NAMES
 
     b = sub.add_parser("bench", help="benchmark over HTTP: policies x rates against real servers, "
                        "or any OpenAI-compatible URL")
+
+    def spec(name: str, **kwargs: Any) -> None:
+        add_field_flag(b, BenchSpec, name, **kwargs)
+
+    def client(name: str, **kwargs: Any) -> None:
+        add_field_flag(b, ClientConfig, name, **kwargs)
+
     target = b.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="an OpenAI-compatible server to benchmark (base URL, with or without /v1)")
     target.add_argument("--model", help="start `tokenslice serve --model MODEL` per policy (a Hugging Face "
                         "directory or builtin:tiny)")
-    b.add_argument("--api-key", default=os.environ.get("TOKENSLICE_API_KEY"), help="sent as a Bearer token")
+    b.add_argument("--api-key", default=os.environ.get("TOKENSLICE_API_KEY"),
+                   help="sent as a Bearer token (default: $TOKENSLICE_API_KEY)")
     b.add_argument("--served-model", default=None, help="model name to send (default: the first of /v1/models)")
     b.add_argument("--policy", default=None, help="with --model: comma-separated policies, one server each; "
                    "with --url: a label for the server")
@@ -265,47 +318,44 @@ def add_bench_subcommand(sub: Any) -> None:
     points = b.add_mutually_exclusive_group(required=True)
     points.add_argument("--rates", help="comma-separated arrival rates (req/s), open loop")
     points.add_argument("--concurrency", help="comma-separated fixed numbers of requests in flight (closed loop)")
-    b.add_argument("--cv", type=float, default=1.0, help="arrival-gap coefficient of variation (1: Poisson)")
-    b.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight at any rate")
-    b.add_argument("--num-requests", type=int, default=200)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--max-tokens-cap", type=int, default=None)
-    b.add_argument("--max-prompt-len", type=int, default=None)
-    b.add_argument("--length-filter", action="store_true", help="vLLM's benchmark length filter")
-    b.add_argument("--input-len", type=int, default=128, help="synthetic workloads: prompt length (mean)")
-    b.add_argument("--output-len", type=int, default=128, help="synthetic workloads: output length (mean)")
-    b.add_argument("--min-len", type=int, default=1, help="synthetic workloads: shortest length")
-    b.add_argument("--max-len", type=int, default=2048, help="synthetic workloads: longest length")
+    spec("cv", help="arrival-gap coefficient of variation (1: Poisson)")
+    client("max_concurrency", help="cap on requests in flight at any rate")
+    spec("num_requests")
+    spec("seed")
+    spec("max_tokens_cap")
+    spec("max_prompt_len")
+    spec("length_filter", help="vLLM's benchmark length filter")
+    spec("input_len", help="synthetic workloads: prompt length (mean)")
+    spec("output_len", help="synthetic workloads: output length (mean)")
+    spec("min_len", help="synthetic workloads: shortest length")
+    spec("max_len", help="synthetic workloads: longest length")
     b.add_argument("--slo-normalized-latency", default=None, help="s/token, or 'auto': 10x the decode step "
                    "a lone request sees on the first server (the paper protocol)")
     b.add_argument("--slo-ttft", type=float, default=None, help="per-request TTFT bound (s)")
     b.add_argument("--slo-tpot", type=float, default=None, help="per-request TPOT bound (s)")
-    b.add_argument("--slo-attainment", type=float, default=0.9,
-                   help="without a normalized-latency SLO: share of requests that must meet TTFT/TPOT")
-    b.add_argument("--early-stop-factor", type=float, default=2.0,
-                   help="stop a policy's sweep once past this x the SLO (0: run every point)")
-    b.add_argument("--endpoint", default="completions", choices=list(ENDPOINTS))
-    b.add_argument("--prompt-format", default="auto", choices=list(PROMPT_FORMATS),
-                   help="auto: dataset text (else token ids); synthetic: token ids of each request's length")
+    spec("slo_attainment", help="without a normalized-latency SLO: share of requests that must meet TTFT/TPOT")
+    spec("early_stop_factor", help="stop a policy's sweep once past this x the SLO (0: run every point)")
+    client("endpoint", choices=list(ENDPOINTS))
+    client("prompt_format", choices=list(PROMPT_FORMATS),
+           help="auto: dataset text (else token ids); synthetic: token ids of each request's length")
     b.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (outputs may end early)")
     b.add_argument("--expected-length", default="auto", choices=["auto", "on", "off"],
                    help="send tokenslice.expected_output_tokens (for srpt-oracle; auto: with --model)")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--request-timeout", type=float, default=600.0, help="seconds; a request past it fails")
-    b.add_argument("--history-max-chars", type=int, default=None,
-                   help="multi-turn: drop a conversation's oldest turns beyond this many characters")
-    b.add_argument("--warmup", type=int, default=4, help="unrecorded requests sent to each server first")
-    srv = b.add_argument_group("servers started with --model")
-    srv.add_argument("--max-batch-size", type=int, default=None)
-    srv.add_argument("--kv-cache-blocks", type=int, default=None)
-    srv.add_argument("--max-model-len", type=int, default=None)
-    srv.add_argument("--preemption", default=None, choices=list(PREEMPTION_MODES))
-    srv.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"])
+    client("temperature")
+    b.add_argument("--request-timeout", type=float, default=ClientConfig.request_timeout_s,
+                   help="seconds; a request past it fails")
+    client("history_max_chars", help="multi-turn: drop a conversation's oldest turns beyond this many characters")
+    b.add_argument("--warmup", type=int, default=BenchSpec.warmup_requests,
+                   help="unrecorded requests sent to each server first")
+    srv = b.add_argument_group("servers started with --model", "engine flags below are passed on to each "
+                               "`tokenslice serve` when given; servers keep serve's default for the rest")
+    for cls, name in BENCH_SERVER_FLAGS:
+        add_field_flag(srv, cls, name, default=None)
     srv.add_argument("--profile", default=None, help="cost model the policies use (see `serve --profile`)")
     srv.add_argument("--server-threads", type=int, default=None, help="torch threads in each server")
     srv.add_argument("--server-args", default=None, help="further `serve` flags, as one quoted string")
-    srv.add_argument("--interleave", action="store_true", help="start every policy's server at once and let "
-                     "the policies take turns at each rate, so that drifting machine load hits all alike")
+    add_field_flag(srv, BenchSpec, "interleave", help="start every policy's server at once and let the policies "
+                   "take turns at each rate, so that drifting machine load hits all alike")
     b.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
     b.add_argument("--plot", default=None, help="write a PNG figure")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -315,11 +365,10 @@ def add_bench_subcommand(sub: Any) -> None:
 def cmd_profile(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from tokenslice.engine.profiler import ProfileOptions, describe, run_profile
+    from tokenslice.engine.profile_options import ProfileOptions
+    from tokenslice.engine.profiler import describe, run_profile
 
-    opts = ProfileOptions(model=a.model, dtype=a.dtype, device=a.device, max_batch_size=a.max_batch_size,
-                          max_context=a.max_context, max_tokens_per_step=a.max_tokens_per_step, samples=a.samples,
-                          repeats=a.repeats, block_size=a.block_size, seed=a.seed)
+    opts = ProfileOptions(**{f.name: getattr(a, f.name) for f in dataclasses.fields(ProfileOptions)})
     with tqdm(desc="profile", unit="step", file=sys.stderr, disable=a.quiet) as bar:
         def tick(done: int, total: int) -> None:
             bar.total = total
@@ -334,45 +383,47 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 def add_simulation_subcommands(sub: Any) -> None:
     """`simulate`, `report` and `profile` (the simulator, its figures, and its cost model)."""
+    from tokenslice.bench.simulate import HOST_KV_FACTOR, SweepSpec
     from tokenslice.bench.workloads import WORKLOAD_NAMES
+    from tokenslice.engine.profile_options import ProfileOptions
 
     m = sub.add_parser("simulate", help="sweep policies x rates (or loads) on the simulator")
+
+    def flag(name: str, **kwargs: Any) -> None:
+        add_field_flag(m, SweepSpec, name, **kwargs)
+
     m.add_argument("--profile", required=True, help="cost model: model@hardware (e.g. opt-13b@a100-40gb) "
                    "or a profile .json from `tokenslice profile`")
-    m.add_argument("--workload", required=True, choices=list(WORKLOAD_NAMES))
-    m.add_argument("--dataset", default=None, help="dataset file or directory (alpaca/sharegpt workloads)")
-    m.add_argument("--tokenizer", default=None, help="tokenizer directory that counts dataset tokens")
+    flag("workload", required=True, choices=list(WORKLOAD_NAMES))
+    flag("dataset", help="dataset file or directory (alpaca/sharegpt workloads)")
+    flag("tokenizer", help="tokenizer directory that counts dataset tokens")
     m.add_argument("--policy", required=True, help="comma-separated policies, e.g. fcfs,skip-join-mlfq,srpt-oracle")
-    m.add_argument("--preemption", default="recompute", choices=list(PREEMPTION_MODES))
+    flag("preemption")
     points = m.add_mutually_exclusive_group(required=True)
     points.add_argument("--rates", help="comma-separated arrival rates (req/s): the paper protocol")
     points.add_argument("--loads", help="comma-separated fractions of fcfs's saturation throughput on the "
                         "same setup: the steady-state protocol")
-    m.add_argument("--cv", type=float, default=1.0, help="arrival-gap coefficient of variation (1: Poisson)")
+    flag("cv", help="arrival-gap coefficient of variation (1: Poisson)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--seeds", default=None, help="comma-separated seeds (overrides --seed)")
-    m.add_argument("--num-requests", type=int, default=1000)
-    m.add_argument("--max-batch-size", type=int, default=16)
-    m.add_argument("--max-tokens-per-step", type=int, default=2048)
-    m.add_argument("--kv-cache-blocks", type=int, default=None,
-                   help="device KV blocks (default: ample, every request of the workload fits at once)")
-    m.add_argument("--host-kv-blocks", type=int, default=None,
-                   help="host KV blocks for the swap modes (default: 4x the device pool)")
-    m.add_argument("--offload-dtype", default="auto", choices=["auto", "int8"])
-    _add_burst_args(m)
-    m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--slo-normalized-latency", type=float, default=None,
-                   help="s/token (default: 10x the profile's decode iteration time)")
-    m.add_argument("--starvation-limit-s", type=float, default=None)
-    m.add_argument("--mlfq-quantum-ratio", type=float, default=2.0)
-    m.add_argument("--mlfq-num-queues", type=int, default=16)
-    m.add_argument("--io-ratio", type=float, default=None, help="rescale mean input:output length ratio")
-    m.add_argument("--length-filter", action="store_true", help="vLLM's benchmark length filter")
-    m.add_argument("--max-tokens-cap", type=int, default=None)
-    m.add_argument("--max-prompt-len", type=int, default=None)
-    m.add_argument("--length-predictor", default=None, metavar="DIR",
-                   help="output-length predictor from `tokenslice predictor build` (srpt-predicted): each "
-                   "request is predicted from its prompt text; build it on records the workload does not draw")
+    flag("num_requests")
+    flag("max_batch_size", help=f"smaller than serve's ({SchedulerConfig.max_batch_size}): the scheduling "
+         "benchmarks' batch (BENCHMARKS.md), small enough that the queue builds and the order matters")
+    flag("max_tokens_per_step")
+    flag("kv_cache_blocks", help="device KV blocks (default: ample, every request of the workload fits at once)")
+    flag("host_kv_blocks", help=f"host KV blocks for the swap modes (default: {HOST_KV_FACTOR}x the device pool)")
+    flag("offload_dtype")
+    _add_scheduler_tuning_args(m, SweepSpec)
+    flag("block_size")
+    flag("slo_normalized_latency", help="s/token (default: 10x the profile's decode iteration time)")
+    flag("starvation_limit_s", help="MLFQ: promote jobs waiting longer than this (default: from the SLO)")
+    flag("io_ratio", help="rescale mean input:output length ratio")
+    flag("length_filter", help="vLLM's benchmark length filter")
+    flag("max_tokens_cap")
+    flag("max_prompt_len")
+    flag("length_predictor", metavar="DIR",
+         help="output-length predictor from `tokenslice predictor build` (srpt-predicted): each "
+         "request is predicted from its prompt text; build it on records the workload does not draw")
     m.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
     m.add_argument("--save-requests", action="store_true",
                    help="keep per-request data in --out (for TTFT/TBT CDFs in `report`)")
@@ -386,18 +437,16 @@ def add_simulation_subcommands(sub: Any) -> None:
     r.set_defaults(func=cmd_report)
 
     p = sub.add_parser("profile", help="measure this machine and fit a cost model for the simulator")
-    p.add_argument("--model", default="builtin:tiny", help="local Hugging Face directory or builtin:tiny")
     p.add_argument("--out", required=True, help="profile .json to write")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-batch-size", type=int, default=32)
-    p.add_argument("--max-context", type=int, default=None, help="longest context measured (default: "
-                   "the model's, at most 1024)")
-    p.add_argument("--max-tokens-per-step", type=int, default=2048)
-    p.add_argument("--samples", type=int, default=None, help="grid points to measure (default: the full grid)")
-    p.add_argument("--repeats", type=int, default=5, help="timings per point; the fastest is kept")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    for name, text in (("model", "local Hugging Face directory or builtin:tiny"), ("dtype", None), ("device", None),
+                       ("max_batch_size", "largest decode batch timed (powers of two up to it), and the calibration "
+                        f"run's batch; smaller than serve's ({SchedulerConfig.max_batch_size}) to keep profiling "
+                        "short: the fitted linear model predicts larger batches too"),
+                       ("max_context", "longest context measured (default: the model's, at most 1024)"),
+                       ("max_tokens_per_step", None),
+                       ("samples", "grid points to measure (default: the full grid)"),
+                       ("repeats", "timings per point; the median is kept"), ("block_size", None), ("seed", None)):
+        add_field_flag(p, ProfileOptions, name, help=text)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_profile)
 
@@ -494,19 +543,20 @@ def add_predictor_subcommands(sub: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenslice", description=__doc__)
+    parser = _Parser(prog="tokenslice", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text offline for one or more prompts")
     add_engine_args(g)
     g.add_argument("--prompt", action="append", required=True, help="may be given several times")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
+    add_field_flag(g, SamplingParams, "max_tokens", default=GENERATE_MAX_TOKENS,
+                   help=f"more than an API request's default ({SamplingParams.max_tokens}, OpenAI's), so that a "
+                   "continuation is long enough to read")
+    for name in ("temperature", "top_p", "top_k"):
+        add_field_flag(g, SamplingParams, name)
     g.add_argument("--stop", action="append")
-    g.add_argument("--ignore-eos", action="store_true")
+    add_field_flag(g, SamplingParams, "ignore_eos")
     g.add_argument("--echo", action="store_true", help="print the prompt before the completion")
     g.set_defaults(func=cmd_generate)
 

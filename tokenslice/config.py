@@ -1,20 +1,47 @@
-"""Engine configuration: plain dataclasses, one per concern (DESIGN.md, "Layout")."""
+"""Engine configuration: plain dataclasses, one per concern (DESIGN.md, "Layout").
+
+These dataclasses are the one place engine defaults are written: the CLI's flags (kebab-case
+field names), `LLM(...)`'s keywords and the simulator's sweeps read them from here. A field with
+a fixed set of values lists it in its metadata ("choices"), which validation and the CLI share.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 PREEMPTION_MODES = ("defer", "recompute", "reactive-swap", "proactive-swap")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # model weights and device KV
+OFFLOAD_DTYPES = ("auto", "int8")  # host KV: as on device, or per-channel int8 (ALISE §3.2)
 EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
+
+
+def field_from(cls: type, name: str, **changes: Any) -> Any:
+    """A dataclass field declared like `cls`'s field `name` (its default and metadata), for
+    classes that carry a config setting of their own (bench.simulate.SweepSpec); `changes`
+    override, e.g. a deliberately different default."""
+    f = next(f for f in fields(cls) if f.name == name)
+    kw: dict[str, Any] = {"metadata": f.metadata}
+    if "default" not in changes and "default_factory" not in changes:
+        kw.update(default=f.default, default_factory=f.default_factory)
+    return field(**{**kw, **changes})
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 @dataclass
 class ModelConfig:
     model: str = "builtin:tiny"
     tokenizer: str | None = None  # defaults to the model directory
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = field(default="auto", metadata={"choices": DTYPES})
+    device: str = "auto"  # auto | cpu | cuda (or cuda:N)
     max_model_len: int | None = None  # defaults to the checkpoint's context length
     seed: int = 0  # for requests that sample without a seed of their own
+
+    def validate(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
 
 
 @dataclass
@@ -26,7 +53,7 @@ class CacheConfig:
     # host_kv_blocks wins over the size in GiB.
     swap_space_gb: float = 4.0
     host_kv_blocks: int | None = None
-    offload_dtype: str = "auto"  # auto | int8 (ALISE §3.2: per-channel int8 on host)
+    offload_dtype: str = field(default="auto", metadata={"choices": OFFLOAD_DTYPES})
 
     def validate(self) -> None:
         if self.block_size < 1:
@@ -39,14 +66,13 @@ class CacheConfig:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")
         if self.host_kv_blocks is not None and self.host_kv_blocks < 0:
             raise ValueError(f"host_kv_blocks must be >= 0, got {self.host_kv_blocks}")
-        if self.offload_dtype not in ("auto", "int8"):
-            raise ValueError(f"offload_dtype must be auto or int8, got {self.offload_dtype!r}")
+        _check_choice("offload_dtype", self.offload_dtype, OFFLOAD_DTYPES)
 
 
 @dataclass
 class SchedulerConfig:
     policy: str = "fcfs"
-    preemption: str = "recompute"
+    preemption: str = field(default="recompute", metadata={"choices": PREEMPTION_MODES})
     max_batch_size: int = 64
     max_tokens_per_step: int = 2048
     # Skip-join MLFQ (FastServe §4.1): quantum of queue i is q1 * ratio**i, q1 from the cost model.
@@ -85,8 +111,7 @@ class SchedulerConfig:
             raise ValueError(f"mlfq_num_queues must be >= 1, got {self.mlfq_num_queues}")
         if self.starvation_limit_s is not None and self.starvation_limit_s <= 0:
             raise ValueError(f"starvation_limit_s must be > 0, got {self.starvation_limit_s}")
-        if self.preemption not in PREEMPTION_MODES:
-            raise ValueError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, got {self.preemption!r}")
+        _check_choice("preemption", self.preemption, PREEMPTION_MODES)
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.burst_reserve_jobs < 0 or self.burst_reserve_queues < 0:
@@ -115,5 +140,46 @@ class EngineConfig:
     profile: str | None = None
 
     def validate(self) -> None:
+        self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """Every engine setting by its field name, sections flattened: the names `from_options`
+        takes (and, in kebab case, the CLI's engine flags)."""
+        return tuple(_OPTION_SECTION)
+
+    @classmethod
+    def from_options(cls, **options: Any) -> EngineConfig:
+        """An EngineConfig from flat settings (`max_batch_size=8, dtype="float32"`): each goes
+        to the section with a field of that name; the rest keep their defaults. TypeError names
+        an unknown setting."""
+        unknown = sorted(set(options) - set(_OPTION_SECTION))
+        if unknown:
+            raise TypeError(f"unexpected engine option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+        by_section: dict[str | None, dict[str, Any]] = {}
+        for name, value in options.items():
+            by_section.setdefault(_OPTION_SECTION[name], {})[name] = value
+        top = by_section.pop(None, {})
+        sections = {s: _SECTIONS[s](**kw) for s, kw in by_section.items()}
+        return cls(**sections, **top)
+
+
+# EngineConfig's sections, and each flat setting's section (None: a field of EngineConfig itself).
+_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                              "parallel": ParallelConfig}
+
+
+def _option_sections() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for f in fields(EngineConfig):
+        section = f.name if f.name in _SECTIONS else None
+        for name in [g.name for g in fields(_SECTIONS[f.name])] if section else [f.name]:
+            if name in out:
+                raise AssertionError(f"engine option {name} is defined in two sections")
+            out[name] = section
+    return out
+
+
+_OPTION_SECTION = _option_sections()

@@ -3,26 +3,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenslice.config import EngineConfig, ModelConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.request import CompletionOutput, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str = "builtin:tiny", *, dtype: str = "auto", device: str = "auto",
-                 policy: str = "fcfs", preemption: str = "recompute", max_batch_size: int = 64,
-                 max_tokens_per_step: int = 2048, kv_cache_blocks: int | None = None, block_size: int = 16,
-                 max_model_len: int | None = None, tokenizer: str | None = None, seed: int = 0,
-                 profile: str | None = None, swap_space_gb: float = 4.0, host_kv_blocks: int | None = None,
-                 offload_dtype: str = "auto", **scheduler_options: Any) -> None:
-        self.config = EngineConfig(
-            model=ModelConfig(model=model, tokenizer=tokenizer, dtype=dtype, device=device,
-                              max_model_len=max_model_len, seed=seed),
-            cache=CacheConfig(block_size=block_size, kv_cache_blocks=kv_cache_blocks, swap_space_gb=swap_space_gb,
-                              host_kv_blocks=host_kv_blocks, offload_dtype=offload_dtype),
-            scheduler=SchedulerConfig(policy=policy, preemption=preemption, max_batch_size=max_batch_size,
-                                      max_tokens_per_step=max_tokens_per_step, **scheduler_options),
-            profile=profile)
+    """An engine in this process.
+
+    LLM(model="builtin:tiny", **options): `model` is a local Hugging Face directory or
+    builtin:tiny; each keyword option is a field of one of the config dataclasses (tokenslice/
+    config.py, where every default is written), the same settings as the CLI's engine flags:
+
+    - model: tokenizer, dtype, device, max_model_len, seed;
+    - cache: block_size, kv_cache_blocks, kv_memory_fraction, swap_space_gb, host_kv_blocks,
+      offload_dtype;
+    - scheduler: policy, preemption, max_batch_size, max_tokens_per_step, mlfq_quantum_ratio,
+      mlfq_num_queues, starvation_limit_s, slo_normalized_latency, burst_reserve_jobs,
+      burst_reserve_queues, eviction_amortization, srpt_aging, length_predictor;
+    - parallel: tensor_parallel_size, pipeline_parallel_size;
+    - profile: the policies' cost model (model@hardware or a `tokenslice profile` JSON).
+
+    An unknown keyword raises TypeError.
+    """
+
+    def __init__(self, model: str = ModelConfig.model, **options: Any) -> None:
+        try:
+            self.config = EngineConfig.from_options(model=model, **options)
+        except TypeError as e:
+            raise TypeError(f"LLM(): {e}") from None
         self.engine = Engine.from_config(self.config)
 
     @property

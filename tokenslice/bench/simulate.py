@@ -27,7 +27,7 @@ import numpy as np
 from tokenslice.bench.metrics import SLO, RequestRecord, max_rate_detail, results_file, run_entry, run_key, \
     summarize, sweep_summary
 from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload, workload_stats
-from tokenslice.config import SchedulerConfig
+from tokenslice.config import CacheConfig, SchedulerConfig, field_from
 from tokenslice.predict.cost import CostModel
 from tokenslice.request import Request
 
@@ -35,34 +35,48 @@ from tokenslice.request import Request
 AMPLE_TOKENS_PER_SLOT = 4096
 # ... TBT CDF kept per run in this many quantile points (pooled TBTs are too many to store).
 TBT_CDF_POINTS = np.concatenate([np.linspace(0.0, 0.99, 100), np.linspace(0.991, 1.0, 10)])
+# Host KV tier of the swap modes when none is given: this many times the device pool.
+HOST_KV_FACTOR = 4
+# Sweeps batch at most 16 requests, not serve's SchedulerConfig.max_batch_size: the setup of the
+# scheduling benchmarks (BENCHMARKS.md), where the batch fills at moderate load and the policies'
+# order matters (below the batch size every live job runs every step).
+SIMULATE_MAX_BATCH_SIZE = 16
+# SchedulerConfig fields a SweepSpec also has but does not hand to the scheduler: the SLO is
+# resolved against the cost model per sweep, and the length predictor is applied to the workload
+# up front (predict_lengths).
+_NOT_SCHEDULER_SETTINGS = frozenset({"slo_normalized_latency", "length_predictor"})
 
 
 @dataclass
 class SweepSpec:
-    """Everything a sweep varies or fixes; the CLI flags map one to one onto these fields."""
+    """Everything a sweep varies or fixes; the CLI flags map one to one onto these fields.
+
+    A field named like a SchedulerConfig or CacheConfig field is that setting, declared with its
+    default (field_from) unless the sweep deliberately differs (max_batch_size, and the pool
+    sizes, whose None means "ample" and "HOST_KV_FACTOR x the device pool" here)."""
 
     workload: str
     policies: list[str]
-    preemption: str = "recompute"
+    preemption: str = field_from(SchedulerConfig, "preemption")
     rates: list[float] | None = None  # arrival rates (req/s) ...
     loads: list[float] | None = None  # ... or fractions of fcfs's saturation throughput
     cv: float = 1.0
     seeds: list[int] = field(default_factory=lambda: [0])
     num_requests: int = 1000
-    max_batch_size: int = 16
-    max_tokens_per_step: int = 2048
+    max_batch_size: int = field_from(SchedulerConfig, "max_batch_size", default=SIMULATE_MAX_BATCH_SIZE)
+    max_tokens_per_step: int = field_from(SchedulerConfig, "max_tokens_per_step")
     kv_cache_blocks: int | None = None  # None: ample (memory never binds)
-    host_kv_blocks: int | None = None  # swap modes; None: 4x the device pool
-    offload_dtype: str = "auto"
-    burst_reserve_jobs: int = 2
-    burst_reserve_queues: int = 1
-    eviction_amortization: float = 16.0
-    srpt_aging: float = SchedulerConfig.srpt_aging
-    block_size: int = 16
+    host_kv_blocks: int | None = None  # swap modes; None: HOST_KV_FACTOR x the device pool
+    offload_dtype: str = field_from(CacheConfig, "offload_dtype")
+    burst_reserve_jobs: int = field_from(SchedulerConfig, "burst_reserve_jobs")
+    burst_reserve_queues: int = field_from(SchedulerConfig, "burst_reserve_queues")
+    eviction_amortization: float = field_from(SchedulerConfig, "eviction_amortization")
+    srpt_aging: float = field_from(SchedulerConfig, "srpt_aging")
+    block_size: int = field_from(CacheConfig, "block_size")
     slo_normalized_latency: float | None = None  # None: 10x the decode iteration time
-    starvation_limit_s: float | None = None
-    mlfq_quantum_ratio: float = 2.0
-    mlfq_num_queues: int = 16
+    starvation_limit_s: float | None = field_from(SchedulerConfig, "starvation_limit_s")
+    mlfq_quantum_ratio: float = field_from(SchedulerConfig, "mlfq_quantum_ratio")
+    mlfq_num_queues: int = field_from(SchedulerConfig, "mlfq_num_queues")
     dataset: str | None = None
     tokenizer: str | None = None
     io_ratio: float | None = None
@@ -97,15 +111,17 @@ class SweepSpec:
         return "load" if self.loads is not None else "rate"
 
     def scheduler_config(self, policy: str, slo: float) -> SchedulerConfig:
-        cfg = SchedulerConfig(policy=policy, preemption=self.preemption, max_batch_size=self.max_batch_size,
-                              max_tokens_per_step=self.max_tokens_per_step,
-                              mlfq_quantum_ratio=self.mlfq_quantum_ratio, mlfq_num_queues=self.mlfq_num_queues,
-                              starvation_limit_s=self.starvation_limit_s, slo_normalized_latency=slo,
-                              burst_reserve_jobs=self.burst_reserve_jobs,
-                              burst_reserve_queues=self.burst_reserve_queues,
-                              eviction_amortization=self.eviction_amortization, srpt_aging=self.srpt_aging)
+        """The scheduler every run of `policy` gets: this spec's scheduler settings (its fields
+        named like SchedulerConfig's), the resolved SLO, and the defaults for the rest."""
+        mine = {f.name for f in dataclasses.fields(self)} - _NOT_SCHEDULER_SETTINGS
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig) if f.name in mine}
+        cfg = dataclasses.replace(SchedulerConfig(), policy=policy, slo_normalized_latency=slo, **settings)
         cfg.validate()
         return cfg
+
+    def host_blocks(self, kv_cache_blocks: int) -> int:
+        """The host tier's size (swap modes) next to a device pool of `kv_cache_blocks`."""
+        return HOST_KV_FACTOR * kv_cache_blocks if self.host_kv_blocks is None else self.host_kv_blocks
 
     def make(self, seed: int, rate: float | None, cache: DatasetCache) -> list[WorkloadRequest]:
         reqs = make_workload(self.workload, num_requests=self.num_requests, rate=rate, cv=self.cv, seed=seed,
@@ -201,25 +217,26 @@ def check_fits(requests: Sequence[WorkloadRequest], kv_cache_blocks: int, block_
 
 
 def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], sched_config: SchedulerConfig,
-                 kv_cache_blocks: int, block_size: int = 16, host_kv_blocks: int | None = None,
-                 offload_dtype: str = "auto", length_predictor: str | Path | None = None
+                 kv_cache_blocks: int, block_size: int = CacheConfig.block_size, host_kv_blocks: int | None = None,
+                 offload_dtype: str = CacheConfig.offload_dtype, length_predictor: str | Path | None = None
                  ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay a workload on the simulator: (per-request records, engine-wide counters). The host
-    tier (swap modes only) defaults to 4x the device pool. With `length_predictor`, requests
+    tier (swap modes only) defaults to HOST_KV_FACTOR x the device pool. With `length_predictor`, requests
     without a prediction get one first (predict_lengths)."""
     from tokenslice.engine.engine import Engine  # the engine pulls in the scheduler stack: import on use
 
     check_fits(workload_requests, kv_cache_blocks, block_size)
     if length_predictor is not None:
         workload_requests = predict_lengths(workload_requests, length_predictor)
-    host = 4 * kv_cache_blocks if host_kv_blocks is None else host_kv_blocks
+    host = HOST_KV_FACTOR * kv_cache_blocks if host_kv_blocks is None else host_kv_blocks
     engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
                               host_kv_blocks=host, offload_dtype=offload_dtype)
     reqs = engine.replay(list(workload_requests))
     return records_from_requests(reqs), engine_counters(engine)
 
 
-def ample_kv_blocks(requests: Sequence[WorkloadRequest], max_batch_size: int, block_size: int = 16) -> int:
+def ample_kv_blocks(requests: Sequence[WorkloadRequest], max_batch_size: int,
+                    block_size: int = CacheConfig.block_size) -> int:
     """KV blocks that never bind: every request of the workload resident at once (a preemptive
     policy may start them all), and at least max_batch_size x 4096 tokens."""
     every = sum(-(-(r.prompt_len + r.output_len) // block_size) for r in requests)
@@ -227,7 +244,8 @@ def ample_kv_blocks(requests: Sequence[WorkloadRequest], max_batch_size: int, bl
 
 
 def fcfs_saturation_rps(cost: CostModel, workload_requests: Sequence[WorkloadRequest],
-                        sched_config: SchedulerConfig, kv_cache_blocks: int, block_size: int = 16) -> float:
+                        sched_config: SchedulerConfig, kv_cache_blocks: int,
+                        block_size: int = CacheConfig.block_size) -> float:
     """Throughput (req/s) of fcfs with every request arriving at t=0: N / makespan."""
     at_once = [dataclasses.replace(r, arrival_time=0.0) for r in workload_requests]
     cfg = dataclasses.replace(sched_config, policy="fcfs")
@@ -355,8 +373,7 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                 "output_mean": stats.get("output_mean"),
                 "scheduler": {"preemption": spec.preemption, "max_batch_size": spec.max_batch_size,
                               "max_tokens_per_step": spec.max_tokens_per_step, "kv_cache_blocks": kv_blocks,
-                              "host_kv_blocks": spec.host_kv_blocks if spec.host_kv_blocks is not None
-                              else 4 * kv_blocks, "offload_dtype": spec.offload_dtype,
+                              "host_kv_blocks": spec.host_blocks(kv_blocks), "offload_dtype": spec.offload_dtype,
                               "burst_reserve_jobs": spec.burst_reserve_jobs,
                               "burst_reserve_queues": spec.burst_reserve_queues,
                               "eviction_amortization": spec.eviction_amortization,
@@ -383,6 +400,6 @@ def strip_per_request(results: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["SweepSpec", "predict_lengths", "records_from_requests", "engine_counters", "check_fits", "simulate_run",
-           "ample_kv_blocks", "fcfs_saturation_rps", "run_metrics", "per_request_data", "mean_by_point",
-           "summary_for", "run_sweep", "sweep_size", "strip_per_request"]
+__all__ = ["HOST_KV_FACTOR", "SIMULATE_MAX_BATCH_SIZE", "SweepSpec", "predict_lengths", "records_from_requests",
+           "engine_counters", "check_fits", "simulate_run", "ample_kv_blocks", "fcfs_saturation_rps", "run_metrics",
+           "per_request_data", "mean_by_point", "summary_for", "run_sweep", "sweep_size", "strip_per_request"]

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenslice.config import ModelConfig, SchedulerConfig
+from tokenslice.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenslice.engine.profile_options import ProfileOptions
 from tokenslice.exec.sim import SimulatedExecutor
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import SeqSlice, StepPlan
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 
 # Transfer sizes stop at this many bytes per copy: enough to see bandwidth, quick on 2 CPU cores.
 MAX_TRANSFER_BYTES = 64 << 20
-# KV pool for the grid may use at most this share of the memory available on the device.
-KV_MEMORY_SHARE = 0.25
+# KV pool for the grid may use at most this share of the memory available on the device: the
+# share the engine's own pool takes by default.
+KV_MEMORY_SHARE = CacheConfig.kv_memory_fraction
 
 
 @dataclass(frozen=True)
@@ -55,20 +57,6 @@ class GridPoint:
     @property
     def kind(self) -> str:
         return "mixed" if self.prefill and self.decode else "prefill" if self.prefill else "decode"
-
-
-@dataclass
-class ProfileOptions:
-    model: str = "builtin:tiny"
-    dtype: str = "auto"
-    device: str = "auto"
-    max_batch_size: int = 32
-    max_context: int | None = None  # default: the model's context, at most 1024
-    max_tokens_per_step: int = 2048
-    samples: int | None = None  # grid points kept (evenly over the grid); None: all
-    repeats: int = 5  # timed runs per point; the median is kept
-    block_size: int = 16
-    seed: int = 0
 
 
 @dataclass
@@ -398,5 +386,5 @@ def describe(report: ProfileReport) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GridPoint", "ProfileOptions", "ProfileReport", "profile_grid", "reduce_grid", "time_point", "time_grid",
-           "measure_transfer", "fit_relative", "device_name", "run_profile", "describe"]
+__all__ = ["GridPoint", "ProfileReport", "profile_grid", "reduce_grid",
+           "time_point", "time_grid", "measure_transfer", "fit_relative", "device_name", "run_profile", "describe"]

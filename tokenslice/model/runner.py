@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from tokenslice.config import CacheConfig
+from tokenslice.config import OFFLOAD_DTYPES, CacheConfig
 from tokenslice.model.arch import ArchConfig
 from tokenslice.model.attention import build_metadata
 from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quantize_blocks, quantized_block_bytes
@@ -76,8 +76,8 @@ def num_host_kv_blocks(cache: CacheConfig, loaded: LoadedModel) -> int:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
                  num_host_blocks: int = 0, offload_dtype: str = "auto", transfer_threads: int = 2) -> None:
-        if offload_dtype not in ("auto", "int8"):
-            raise ValueError(f"offload_dtype must be auto or int8, got {offload_dtype!r}")
+        if offload_dtype not in OFFLOAD_DTYPES:
+            raise ValueError(f"offload_dtype must be one of {', '.join(OFFLOAD_DTYPES)}, got {offload_dtype!r}")
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         a = loaded.arch
