@@ -14,6 +14,7 @@ from typing import Any
 
 from tokenslice.config import EMBED_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.request import SamplingParams
+from tokenslice.sched.registry import POLICY_NAMES
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -62,6 +63,16 @@ def add_field_flag(p: Any, cls: type, name: str, **kwargs: Any) -> argparse.Acti
     return p.add_argument("--" + name.replace("_", "-"), **kwargs)
 
 
+def policy_list(text: str) -> list[str]:
+    """A comma-separated --policy list; each must be a policy that exists (sched/registry.py)."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICY_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(unknown) or repr(text)}; "
+                                         f"choose from {', '.join(POLICY_NAMES)}")
+    return names
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every subcommand that builds an engine: one per engine setting, named and
     defaulted by its config field (engine_config_from_args routes them back)."""
@@ -80,7 +91,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(CacheConfig, "swap_space_gb", help="host memory for swapped-out KV (reactive-swap / proactive-swap)")
     flag(CacheConfig, "host_kv_blocks", help="host KV blocks (overrides --swap-space-gb)")
     flag(CacheConfig, "offload_dtype", help="int8: per-channel int8 KV on host, dequantized on upload")
-    flag(SchedulerConfig, "policy")
+    flag(SchedulerConfig, "policy", choices=list(POLICY_NAMES))
     flag(SchedulerConfig, "preemption")
     flag(SchedulerConfig, "max_batch_size")
     flag(SchedulerConfig, "max_tokens_per_step")
@@ -176,7 +187,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     cost = load_cost_model(a.profile)
     # Flags named like SweepSpec fields map onto them; the lists are parsed here.
     given = {f.name: getattr(a, f.name) for f in dataclasses.fields(SweepSpec) if hasattr(a, f.name)}
-    spec = SweepSpec(**{**given, "policies": [p.strip() for p in a.policy.split(",") if p.strip()],
+    spec = SweepSpec(**{**given, "policies": a.policy,
                         "rates": _number_list(a.rates) if a.rates else None,
                         "loads": _number_list(a.loads) if a.loads else None,
                         "seeds": _number_list(a.seeds, int) if a.seeds else [a.seed]})
@@ -234,6 +245,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.model:
         if not policies:
             raise ValueError("--model needs --policy (comma-separated policies to compare)")
+        try:  # each starts a server: refuse a bad name before the first one
+            policy_list(a.policy)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(str(e)) from None
         args = shlex.split(a.server_args or "")
         for name in [n for _, n in BENCH_SERVER_FLAGS] + ["profile"]:
             if getattr(a, name) is not None:
@@ -397,7 +412,8 @@ def add_simulation_subcommands(sub: Any) -> None:
     flag("workload", required=True, choices=list(WORKLOAD_NAMES))
     flag("dataset", help="dataset file or directory (alpaca/sharegpt workloads)")
     flag("tokenizer", help="tokenizer directory that counts dataset tokens")
-    m.add_argument("--policy", required=True, help="comma-separated policies, e.g. fcfs,skip-join-mlfq,srpt-oracle")
+    m.add_argument("--policy", required=True, type=policy_list,
+                   help=f"comma-separated policies, e.g. fcfs,skip-join-mlfq,srpt-oracle (of {', '.join(POLICY_NAMES)})")
     flag("preemption")
     points = m.add_mutually_exclusive_group(required=True)
     points.add_argument("--rates", help="comma-separated arrival rates (req/s): the paper protocol")
