@@ -64,12 +64,12 @@ def add_field_flag(p: Any, cls: type, name: str, **kwargs: Any) -> argparse.Acti
 
 
 def policy_list(text: str) -> list[str]:
-    """A comma-separated --policy list; each must be a policy that exists (sched/registry.py)."""
+    """A comma-separated --policy list; each must be a policy that exists (sched/registry.py).
+    Checked before any simulation or server starts; ValueError names the unknown ones."""
     names = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICY_NAMES]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(unknown) or repr(text)}; "
-                                         f"choose from {', '.join(POLICY_NAMES)}")
+        raise ValueError(f"unknown policy {', '.join(unknown) or repr(text)}; choose from {', '.join(POLICY_NAMES)}")
     return names
 
 
@@ -187,7 +187,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     cost = load_cost_model(a.profile)
     # Flags named like SweepSpec fields map onto them; the lists are parsed here.
     given = {f.name: getattr(a, f.name) for f in dataclasses.fields(SweepSpec) if hasattr(a, f.name)}
-    spec = SweepSpec(**{**given, "policies": a.policy,
+    spec = SweepSpec(**{**given, "policies": policy_list(a.policy),
                         "rates": _number_list(a.rates) if a.rates else None,
                         "loads": _number_list(a.loads) if a.loads else None,
                         "seeds": _number_list(a.seeds, int) if a.seeds else [a.seed]})
@@ -245,10 +245,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.model:
         if not policies:
             raise ValueError("--model needs --policy (comma-separated policies to compare)")
-        try:  # each starts a server: refuse a bad name before the first one
-            policy_list(a.policy)
-        except argparse.ArgumentTypeError as e:
-            raise ValueError(str(e)) from None
+        policy_list(a.policy)  # each starts a server: refuse a bad name before the first one
         args = shlex.split(a.server_args or "")
         for name in [n for _, n in BENCH_SERVER_FLAGS] + ["profile"]:
             if getattr(a, name) is not None:
@@ -412,7 +409,7 @@ def add_simulation_subcommands(sub: Any) -> None:
     flag("workload", required=True, choices=list(WORKLOAD_NAMES))
     flag("dataset", help="dataset file or directory (alpaca/sharegpt workloads)")
     flag("tokenizer", help="tokenizer directory that counts dataset tokens")
-    m.add_argument("--policy", required=True, type=policy_list,
+    m.add_argument("--policy", required=True,
                    help=f"comma-separated policies, e.g. fcfs,skip-join-mlfq,srpt-oracle (of {', '.join(POLICY_NAMES)})")
     flag("preemption")
     points = m.add_mutually_exclusive_group(required=True)
