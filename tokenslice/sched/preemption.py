@@ -5,6 +5,7 @@ need and keeps the burst reserve; it records every preemption, drop and swap in 
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.kv.manager import KVManager
@@ -169,8 +170,8 @@ class ProactiveSwap(ReactiveSwap):
 
     mode = "proactive-swap"
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.reserve = 0  # the last burst reserve, in blocks
         self._prompt_tokens = 0  # arrivals' prompt tokens, for the reserve's job size
         self._num_arrivals = 0
