@@ -12,6 +12,8 @@ from typing import Literal
 from tokenslice.request import SamplingParams
 
 
+Direction = Literal["out", "in"]  # of a KV swap. out: device -> host; in: host -> device
+
 @dataclass
 class SeqSlice:
     """One request's share of a step: compute `token_ids` at positions start_pos.., maybe sample."""
@@ -38,7 +40,7 @@ class BlockTransfer:
     reports the request id in StepResult.transfers_done."""
 
     request_id: str
-    direction: Literal["out", "in"]  # out: device -> host; in: host -> device
+    direction: Direction
     pairs: list[tuple[int, int]]  # (source block, destination block), in block-table order
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import torch
 
@@ -30,9 +29,8 @@ from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quanti
 from tokenslice.model.loader import LoadedModel
 from tokenslice.model.sampler import Sampler
 from tokenslice.model.transfer import TransferEngine
-from tokenslice.plan import BlockTransfer, StepPlan, StepResult, copy_runs
+from tokenslice.plan import BlockTransfer, Direction, StepPlan, StepResult, copy_runs
 
-Direction = Literal["out", "in"]  # out: device -> host; in: host -> device
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.kv.manager import KVManager
-from tokenslice.plan import BlockTransfer, StepPlan, copy_runs
+from tokenslice.plan import BlockTransfer, Direction, StepPlan, copy_runs
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
 from tokenslice.sched.protection import EvictionGuard
@@ -120,7 +120,7 @@ class Recompute:
         req.state = RequestState.WAITING
         plan.drop.append(req.request_id)
 
-    def move(self, req: Request, direction: str, plan: StepPlan, *, sync: bool) -> None:
+    def move(self, req: Request, direction: Direction, plan: StepPlan, *, sync: bool) -> None:
         """Swap a request's KV out to host or in to device; sync copies run before this step's
         compute, async ones overlap it (the request waits for transfers_done)."""
         kv, rid = self.kv, req.request_id
@@ -130,9 +130,8 @@ class Recompute:
         if sync:
             (plan.swap_out if direction == "out" else plan.swap_in).extend(pairs)
         else:
-            plan.async_transfers.append(BlockTransfer(rid, direction, pairs))  # type: ignore[arg-type]
-        self.stats.record_swap(req.metrics, direction, len(pairs) * self.swap_block_bytes,  # type: ignore[arg-type]
-                               len(copy_runs(pairs)))
+            plan.async_transfers.append(BlockTransfer(rid, direction, pairs))
+        self.stats.record_swap(req.metrics, direction, len(pairs) * self.swap_block_bytes, len(copy_runs(pairs)))
         if direction == "out":
             self.preempt(req)
 

@@ -4,8 +4,7 @@ and tests read it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
+from tokenslice.plan import Direction
 from tokenslice.request import RequestMetrics
 
 
@@ -26,7 +25,7 @@ class SchedulerStats:
         m.recomputed_tokens += tokens
         self.recomputed_tokens += tokens
 
-    def record_swap(self, m: RequestMetrics, direction: Literal["out", "in"], nbytes: int, ops: int) -> None:
+    def record_swap(self, m: RequestMetrics, direction: Direction, nbytes: int, ops: int) -> None:
         m.swaps += 1
         m.swap_ops += ops
         self.swap_ops += ops
