@@ -86,15 +86,15 @@ class Recompute:
         self.drop(victim, plan)
         dropped.add(victim.request_id)
 
-    def load(self, req: Request, on_host: bool, holds_kv: bool, plan: StepPlan) -> bool:
-        """A job chosen to run whose KV must be loaded is protected (sched/protection.py); one
-        on host is swapped in. False: it runs once an asynchronous upload completes."""
+    def load(self, req: Request, on_host: bool, plan: StepPlan) -> bool:
+        """A job chosen to run whose KV must be loaded (prefill, recompute or swap-in) is
+        protected (sched/protection.py); one on host is swapped in. False: it runs once an
+        asynchronous upload completes."""
         rid = req.request_id
         if on_host:
             self.guard.protect(rid, self._swap_seconds(len(self.kv.host_blocks(rid))))
             return self._upload(req, plan)
-        if not holds_kv:
-            self.guard.protect(rid, self.ctx.first_iteration_s(req.num_tokens - 1))
+        self.guard.protect(rid, self.ctx.first_iteration_s(req.num_tokens - 1))
         return True
 
     def _upload(self, req: Request, plan: StepPlan) -> bool:

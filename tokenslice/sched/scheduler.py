@@ -114,27 +114,29 @@ class Scheduler:
             if (admission_blocked and not holds_kv) or rid in dropped:
                 continue
             on_host = kv.residency(rid) == "host"
-            chunk = min(req.num_tokens - computed, budget)
+            loads = on_host or not holds_kv  # its KV must be loaded: prefilled, recomputed or swapped in
+            total = req.num_tokens
+            chunk = min(total - computed, budget)
             need = kv.blocks_for_tokens(computed + chunk) if on_host else kv.blocks_needed(rid, computed + chunk)
             if need > kv.device.num_free:
                 lower = list(it)  # everything not yet walked is lower-ranked
                 it = iter(lower)
-                if not pre.make_room(need, lower, chosen, holds_kv, plan, dropped, loads=on_host or not holds_kv):
+                if not pre.make_room(need, lower, chosen, holds_kv, plan, dropped, loads):
                     admission_blocked = admission_blocked or not holds_kv
                     continue  # waits for memory: queueing, not swap stall
-            if not pre.load(req, on_host, holds_kv, plan):
+            if loads and not pre.load(req, on_host, plan):
                 stalled.append(req)
                 continue
             kv.ensure(rid, computed + chunk)
             chosen.add(rid)
             budget -= chunk
-            self._add_slice(req, computed, chunk, plan, now)
+            self._add_slice(req, computed, chunk, computed + chunk == total, plan, now)
         return chosen, stalled, it
 
-    def _add_slice(self, req: Request, computed: int, chunk: int, plan: StepPlan, now: float) -> None:
+    def _add_slice(self, req: Request, computed: int, chunk: int, sample: bool, plan: StepPlan, now: float) -> None:
         rid = req.request_id
-        s = SeqSlice(rid, req.token_ids(computed, computed + chunk), computed, self.kv.block_table(rid),
-                     computed + chunk == req.num_tokens, req.params, req.num_output_tokens, req.eos_token_id)
+        s = SeqSlice(rid, req.token_ids(computed, computed + chunk), computed, self.kv.block_table(rid), sample,
+                     req.params, len(req.output_token_ids), req.eos_token_id)
         (plan.decode if chunk == 1 else plan.prefill).append(s)
         if req.state is not RequestState.RUNNING:
             if req.metrics.first_scheduled_time is None:
