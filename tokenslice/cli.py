@@ -119,6 +119,10 @@ def _add_scheduler_tuning_args(p: argparse.ArgumentParser, cls: type) -> None:
                         "cancels (0: pure SRPT; larger: closer to FCFS, shorter tails)")
     add_field_flag(p, cls, "mlfq_quantum_ratio", help="MLFQ: each queue's quantum is this many times the one above")
     add_field_flag(p, cls, "mlfq_num_queues", help="MLFQ: number of priority queues")
+    add_field_flag(p, cls, "vtc_input_weight", help="vtc: service counted per input (prompt) token")
+    add_field_flag(p, cls, "vtc_output_weight", help="vtc: service counted per output token")
+    add_field_flag(p, cls, "vtc_weights", metavar="USER=W,...",
+                   help="vtc: users' shares (the OpenAI `user` field); unlisted users weigh 1")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:

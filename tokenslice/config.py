@@ -26,6 +26,27 @@ def field_from(cls: type, name: str, **changes: Any) -> Any:
     return field(**{**kw, **changes})
 
 
+def parse_vtc_weights(text: str | None) -> dict[str, float]:
+    """`--vtc-weights "alice=2,bob=0.5"` -> {"alice": 2.0, "bob": 0.5}; users not listed weigh 1.
+    ValueError names the bad entry."""
+    out: dict[str, float] = {}
+    for entry in (text or "").split(","):
+        if not entry.strip():
+            continue
+        user, sep, value = entry.partition("=")
+        user = user.strip()
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = float("nan")
+        if not sep or not user or not (0.0 < weight < float("inf")):
+            raise ValueError(f"vtc_weights: expected USER=WEIGHT with a positive finite weight, got {entry.strip()!r}")
+        if user in out:
+            raise ValueError(f"vtc_weights: user {user!r} is listed twice")
+        out[user] = weight
+    return out
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
@@ -103,6 +124,13 @@ class SchedulerConfig:
     # Output-length predictor directory (`tokenslice predictor build`; ALISE §3.1) that
     # srpt-predicted consults on arrival. None: no predictor.
     length_predictor: str | None = None
+    # vtc (Sheng et al., OSDI'24 §4): a user's service is input tokens x vtc_input_weight + output
+    # tokens x vtc_output_weight (the paper's cost function and its artifact's prices 1 and 2),
+    # divided by the user's share in vtc_weights ("user=w,..."; unlisted users and the anonymous
+    # user weigh 1).
+    vtc_input_weight: float = 1.0
+    vtc_output_weight: float = 2.0
+    vtc_weights: str | None = None
 
     def validate(self) -> None:
         if self.mlfq_quantum_ratio <= 1.0:
@@ -121,6 +149,13 @@ class SchedulerConfig:
             raise ValueError(f"max_tokens_per_step must be >= 1, got {self.max_tokens_per_step}")
         if not self.srpt_aging >= 0 or self.srpt_aging == float("inf"):  # also refuses NaN
             raise ValueError(f"srpt_aging must be a finite number >= 0, got {self.srpt_aging}")
+        for name in ("vtc_input_weight", "vtc_output_weight"):
+            w = getattr(self, name)
+            if not 0.0 <= w < float("inf"):  # also refuses NaN
+                raise ValueError(f"{name} must be a finite number >= 0, got {w}")
+        if self.vtc_input_weight == 0 and self.vtc_output_weight == 0:
+            raise ValueError("vtc_input_weight and vtc_output_weight cannot both be 0")
+        parse_vtc_weights(self.vtc_weights)
 
 
 @dataclass

@@ -77,6 +77,9 @@ class SweepSpec:
     starvation_limit_s: float | None = field_from(SchedulerConfig, "starvation_limit_s")
     mlfq_quantum_ratio: float = field_from(SchedulerConfig, "mlfq_quantum_ratio")
     mlfq_num_queues: int = field_from(SchedulerConfig, "mlfq_num_queues")
+    vtc_input_weight: float = field_from(SchedulerConfig, "vtc_input_weight")
+    vtc_output_weight: float = field_from(SchedulerConfig, "vtc_output_weight")
+    vtc_weights: str | None = field_from(SchedulerConfig, "vtc_weights")
     dataset: str | None = None
     tokenizer: str | None = None
     io_ratio: float | None = None
@@ -381,7 +384,9 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                               "kv_cache_blocks_given": spec.kv_cache_blocks is not None,
                               "block_size": spec.block_size, "starvation_limit_s": spec.starvation_limit_s,
                               "mlfq_quantum_ratio": spec.mlfq_quantum_ratio,
-                              "mlfq_num_queues": spec.mlfq_num_queues}}
+                              "mlfq_num_queues": spec.mlfq_num_queues,
+                              "vtc_input_weight": spec.vtc_input_weight,
+                              "vtc_output_weight": spec.vtc_output_weight, "vtc_weights": spec.vtc_weights}}
     summary = summary_for(runs, spec, slo, saturation)
     return results_file("simulate", workload, profile_name or cost.name, SLO(mean_normalized_latency=slo),
                         runs, summary)

@@ -182,6 +182,7 @@ class Engine:
         `prompt_text` spares the length predictor a detokenization."""
         params = new.params
         params.validate()
+        self._check_priority(new.priority)
         ids = list(new.prompt_token_ids)
         self._check_prompt(ids)
         if not params.ignore_eos and len(self.eos_token_ids) > 1:
@@ -215,6 +216,21 @@ class Engine:
         if kv.blocks_for_tokens(len(ids) + 1) > kv.device.num_blocks:
             raise InvalidRequestError(
                 f"prompt has {len(ids)} tokens; the KV cache holds only {kv.capacity_tokens}", "prompt")
+
+    def _check_priority(self, priority: int) -> None:
+        # As vLLM: a priority the policy would ignore is an error, not a silent no-op.
+        policy = self.scheduler.policy
+        if priority != 0 and not policy.uses_priority:
+            raise InvalidRequestError(
+                f"priority {priority} needs a policy that schedules by priority (--policy priority); "
+                f"this engine runs {policy.name!r}", "priority")
+
+    def set_priority(self, request_id: str, priority: int) -> bool:
+        """Change a live request's priority (lower runs first); it takes effect at the next step.
+        Returns False if the request is not live; raises InvalidRequestError (param "priority")
+        for a non-zero priority under a policy that does not use priorities."""
+        self._check_priority(priority)
+        return self.scheduler.set_priority(request_id, priority, self.clock.now())
 
     def abort_request(self, request_id: str) -> bool:
         self._detok.pop(request_id, None)
@@ -328,6 +344,8 @@ class Engine:
         items = sorted(trace, key=lambda t: t.arrival_time)
         start = self.clock.now()
         reqs: dict[str, Request] = {}
+        # A trace's priority labels drive only policies that use them; the others replay it unlabelled.
+        prioritized = self.scheduler.policy.uses_priority
         i = 0
         while i < len(items) or self.has_unfinished():
             now = self.clock.now()
@@ -336,9 +354,10 @@ class Engine:
                 ids = getattr(item, "prompt_token_ids", None) or [0] * max(1, item.prompt_len)
                 params = SamplingParams(max_tokens=max(1, self.max_model_len - len(ids)), temperature=0.0,
                                         ignore_eos=True)
+                priority = (getattr(item, "priority", 0) or 0) if prioritized else 0
                 reqs[item.request_id] = self.add_request(
                     ids, params, request_id=item.request_id, arrival_time=start + item.arrival_time,
-                    user=getattr(item, "user", None), priority=getattr(item, "priority", 0) or 0,
+                    user=getattr(item, "user", None), priority=priority,
                     expected_output_tokens=item.output_len,
                     predicted_output_tokens=getattr(item, "predicted_output_tokens", None),
                     eos_after=max(1, item.output_len))

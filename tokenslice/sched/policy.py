@@ -52,6 +52,9 @@ class Policy:
     hooks whose defaults do not fit; the scheduler calls nothing else."""
 
     name: str = ""
+    # Whether the order reads Request.priority; the engine refuses non-zero priorities otherwise
+    # (as vLLM does), so a client never believes a priority it sent was honoured.
+    uses_priority: bool = False
 
     def on_arrival(self, req: Request, now: float) -> None:
         pass
@@ -61,6 +64,9 @@ class Policy:
 
     def on_finish(self, req: Request) -> None:
         pass
+
+    def on_priority_change(self, req: Request, old_priority: int, now: float) -> None:
+        """`req.priority` was just changed from `old_priority`; the next ranking must reflect it."""
 
     def ranked(self, now: float) -> Iterable[Request]:
         """Live requests, best first. May be lazy: the scheduler usually needs only the head, and

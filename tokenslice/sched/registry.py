@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tokenslice.config import SchedulerConfig
+from tokenslice.sched.fair import PriorityPolicy, VTCPolicy
 from tokenslice.sched.fcfs import FCFSPolicy, RequestLevelPolicy
 from tokenslice.sched.fixed_priority import FixedPriorityPolicy
 from tokenslice.sched.mlfq import SkipJoinMLFQPolicy
@@ -20,6 +21,8 @@ _BUILDERS: dict[str, Callable[[PolicyContext], Policy]] = {
     "fixed-priority": lambda ctx: FixedPriorityPolicy(),
     "srpt-oracle": SRPTOraclePolicy,
     "srpt-predicted": SpeculativeSRPTPolicy,
+    "priority": lambda ctx: PriorityPolicy(),
+    "vtc": VTCPolicy,
 }
 POLICY_NAMES = tuple(_BUILDERS)
 

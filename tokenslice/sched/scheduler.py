@@ -47,6 +47,18 @@ class Scheduler:
         self._finish(req, "abort", now, RequestState.ABORTED)
         return req
 
+    def set_priority(self, request_id: str, priority: int, now: float) -> bool:
+        """Change a live request's priority; the next schedule() ranks by it, preempting running
+        requests it now outranks (FastSwitch's priority updates). False if it is not live."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        old = req.priority
+        if priority != old:
+            req.priority = priority
+            self.policy.on_priority_change(req, old, now)
+        return True
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
