@@ -201,6 +201,7 @@ def _assert_400(exc: pytest.ExceptionInfo[openai.BadRequestError], param: str | 
     (dict(seed=2**70), "seed"),
     (dict(extra_body={"min_tokens": 50}), "min_tokens"),
     (dict(extra_body={"priority": "high"}), "priority"),
+    (dict(extra_body={"priority": 3}), "priority"),  # this server's fcfs does not use priorities
     (dict(extra_body={"tokenslice": {"expected_output_tokens": -1}}), "tokenslice"),
 ])
 def test_completion_invalid_fields(client: openai.OpenAI, kwargs: dict, param: str | None) -> None:
@@ -288,12 +289,23 @@ def test_chat_without_template_is_400() -> None:
         assert ok.usage.completion_tokens >= 1
 
 
-def test_scheduling_fields_reach_the_engine(srv: RunningServer, client: openai.OpenAI) -> None:
-    stream = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=200, stream=True, user="alice",
-        extra_body={"ignore_eos": True, "priority": 5, "tokenslice": {"expected_output_tokens": 7}})
-    first = next(iter(stream))
-    req = srv.engine.scheduler.requests.get(first.id)  # live while we hold the stream open
-    stream.close()
+def test_scheduling_fields_reach_the_engine() -> None:
+    # A priority needs a policy that uses it (other policies refuse it: test_completion_invalid_fields).
+    with start_server("--policy", "priority", "--kv-cache-blocks", "64", "--max-model-len", "256") as srv:
+        client = openai.OpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0, timeout=60)
+        stream = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=200, stream=True, user="alice",
+            extra_body={"ignore_eos": True, "priority": 5, "tokenslice": {"expected_output_tokens": 7}})
+        first = next(iter(stream))
+        req = srv.engine.scheduler.requests.get(first.id)  # live while we hold the stream open
+        stream.close()
     assert req is not None
     assert (req.priority, req.user, req.expected_output_tokens) == (5, "alice", 7)
+
+
+def test_priority_route_refused_by_policies_without_priorities(srv: RunningServer) -> None:
+    r = httpx.post(srv.url("/v1/requests/cmpl-x/priority"), json={"priority": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+    assert "--policy priority" in r.json()["error"]["message"]
+    r = httpx.post(srv.url("/v1/requests/cmpl-x/priority"), json={"priority": 0}, timeout=30)
+    assert r.status_code == 404  # 0 changes nothing under any policy; the request is not live

@@ -11,7 +11,8 @@ import pytest
 
 from serverkit import start_server, wait_idle
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig
-from tokenslice.engine.async_engine import AsyncEngine, EngineOverloadedError, MAX_CONSECUTIVE_FAULTS
+from tokenslice.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
+                                            MAX_CONSECUTIVE_FAULTS)
 from tokenslice.engine.engine import Engine
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput, SamplingParams
@@ -85,6 +86,30 @@ def test_invalid_request_and_admission_limit(engine: Engine) -> None:
             assert ae.num_queued == 0
         finally:
             ae.shutdown()
+
+    asyncio.run(main())
+
+
+def test_priority_update_goes_through_the_loop(engine: Engine) -> None:
+    async def main() -> None:
+        ae = AsyncEngine(engine, max_waiting=8)
+        with pytest.raises(EngineDeadError):
+            await ae.set_priority("x", 1)
+        ae.start()
+        try:
+            # The idle loop wakes for it; this engine's fcfs refuses a priority, and 0 finds nothing.
+            with pytest.raises(InvalidRequestError) as exc:
+                await ae.set_priority("x", 1)
+            assert exc.value.param == "priority"
+            assert await ae.set_priority("x", 0) is False
+            stream = await ae.add_request(EngineRequest("live", [1, 2, 3], SamplingParams(max_tokens=900,
+                                                                                         ignore_eos=True)))
+            assert await ae.set_priority("live", 0) is True
+            ae.abort(stream)
+        finally:
+            ae.shutdown()
+        with pytest.raises(EngineDeadError):
+            await ae.set_priority("live", 0)
 
     asyncio.run(main())
 

@@ -2,9 +2,9 @@
 into its own asyncio queue (DESIGN.md, Data flow).
 
 The Engine is not thread-safe, so only the loop thread touches it. The asyncio side sends
-commands (add, abort, stop) through a thread-safe queue that the loop drains between steps, and
-the loop hands results back with `call_soon_threadsafe`. An abort therefore takes effect before
-the next iteration. When no request is live the loop blocks on the command queue instead of
+commands (add, abort, priority update, stop) through a thread-safe queue that the loop drains
+between steps, and the loop hands results back with `call_soon_threadsafe`. An abort or a
+priority update therefore takes effect before the next iteration. When no request is live the loop blocks on the command queue instead of
 spinning.
 """
 from __future__ import annotations
@@ -106,8 +106,18 @@ class _Abort:
 
 
 @dataclass
+class _SetPriority:
+    request_id: str
+    priority: int
+    result: asyncio.Future[bool]  # whether the request was live; or the engine's refusal
+
+
+@dataclass
 class _Stop:
     pass
+
+
+_Command = _Add | _Abort | _SetPriority | _Stop
 
 
 @dataclass
@@ -133,7 +143,7 @@ class AsyncEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.observer = observer  # called in the loop thread for every output (metrics)
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._state = _LoopState()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -199,6 +209,19 @@ class AsyncEngine:
             stream.finished = True
             self._commands.put(_Abort(stream.request_id))
 
+    async def set_priority(self, request_id: str, priority: int) -> bool:
+        """Change a live request's priority before the next step (FastSwitch's priority updates).
+        Returns whether the request was live; raises InvalidRequestError when the policy does not
+        use priorities, EngineDeadError when the loop is not running."""
+        if self._loop is None:
+            raise EngineDeadError("the engine loop was never started")
+        result: asyncio.Future[bool] = self._loop.create_future()
+        with self._lock:
+            if not self.is_alive:
+                raise EngineDeadError("the engine loop is not running")
+            self._commands.put(_SetPriority(request_id, priority, result))
+        return await result
+
     def _unqueue(self, stream: RequestStream) -> None:
         if stream.queued:
             stream.queued = False
@@ -220,6 +243,15 @@ class AsyncEngine:
                 stream.accepted.set_result(None)
             else:
                 stream.accepted.set_exception(error)
+
+    @staticmethod
+    def _resolve(future: asyncio.Future[bool], result: bool | BaseException) -> None:
+        if future.done():  # the caller was cancelled
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
 
     def _deliver(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
         for stream, item in items:
@@ -261,6 +293,8 @@ class AsyncEngine:
                 return
             if isinstance(cmd, _Add):
                 self._call_soon(self._settle, cmd.stream, error)
+            elif isinstance(cmd, _SetPriority):
+                self._call_soon(self._resolve, cmd.result, error)
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False when told to stop."""
@@ -275,6 +309,8 @@ class AsyncEngine:
                 return False
             if isinstance(cmd, _Add):
                 self._add(cmd)
+            elif isinstance(cmd, _SetPriority):
+                self._set_priority(cmd)
             else:
                 self._abort(cmd.request_id)
         return True
@@ -292,6 +328,17 @@ class AsyncEngine:
             return
         self._state.streams[rid] = cmd.stream
         self._call_soon(self._settle, cmd.stream, None)
+
+    def _set_priority(self, cmd: _SetPriority) -> None:
+        result: bool | BaseException
+        try:
+            result = self.engine.set_priority(cmd.request_id, cmd.priority)
+        except InvalidRequestError as e:
+            result = e
+        except Exception as e:  # a fault in the engine, not in the request
+            log.exception("request %s: engine failed to change its priority", cmd.request_id)
+            result = EngineFaultError(f"engine failed to change the priority: {e}")
+        self._call_soon(self._resolve, cmd.result, result)
 
     def _abort(self, request_id: str) -> None:
         if self._state.streams.pop(request_id, None) is not None:

@@ -1,7 +1,7 @@
 """FastAPI app: OpenAI-compatible routes over an AsyncEngine (DESIGN.md, Data flow).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/requests/{id}/priority,
+GET /v1/models, GET /health, GET /metrics. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 /v1/* need `Authorization: Bearer KEY` when an API key is set; /health and /metrics stay open
 so that probes and scrapers need no secret.
 
@@ -38,8 +38,8 @@ from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatMessageOut, ChatStreamChoice,
                                         CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
-                                        DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo,
-                                        SamplingFields)
+                                        DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList,
+                                        PriorityResponse, PriorityUpdate, SamplingFields, UsageInfo)
 
 log = logging.getLogger("tokenslice.server")
 
@@ -505,6 +505,23 @@ class Server:
         track.log()
         return JSONResponse(resp.model_dump(), headers={"X-Request-Id": track.request_id})
 
+    async def set_priority(self, request_id: str, body: PriorityUpdate) -> PriorityResponse:
+        """A live request's new priority, applied before the next step (FastSwitch)."""
+        try:
+            live = await self.async_engine.set_priority(request_id, body.priority)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except EngineDeadError:
+            raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        except EngineFaultError as e:
+            raise self.fault(request_id, e) from None
+        if not live:
+            raise APIError(404, f"no live request {request_id!r}: it finished, was aborted or never existed",
+                           code="request_not_found")
+        log.info("%s priority=%d", request_id, body.priority)
+        return PriorityResponse(id=request_id, priority=body.priority)
+
     async def _collect_or_log(self, stream: RequestStream, request: Request, track: _Track) -> str:
         try:
             return await self.collect(stream, request, track)
@@ -592,6 +609,8 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
                                       {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}])
         for penalty in ("presence_penalty", "frequency_penalty"):
             _narrow(props[penalty], type="number", enum=[0])
+        if not engine.scheduler.policy.uses_priority:
+            _narrow(props["priority"], type="integer", enum=[0])
     comp = comps["CompletionRequest"]["properties"]
     _narrow(comp["prompt"], anyOf=[
         {"type": "string", "minLength": 1},
@@ -686,6 +705,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
              responses=_ok_doc(ChatCompletionResponse, "A chat completion"))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat_completions(body, request)
+
+    @v1.post("/requests/{request_id}/priority", response_model=PriorityResponse,
+             responses={404: {"model": ErrorResponse, "description": "No such live request"}})
+    async def set_priority(request_id: str, body: PriorityUpdate) -> PriorityResponse:
+        return await server.set_priority(request_id, body)
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:

@@ -72,7 +72,9 @@ class SamplingFields(_Strict):
     frequency_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0 is supported")
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
-    priority: Hint = Field(0, description="lower runs first under --policy priority")
+    priority: Hint = Field(0, description="lower runs first under --policy priority; other policies "
+                                          "refuse anything but 0; change it later with "
+                                          "POST /v1/requests/{id}/priority")
     user: str | None = None
     tokenslice: TokensliceOptions | None = None
 
@@ -102,6 +104,17 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: NonNegativeInt | None = Field(None, description="not supported yet: must be null")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
     add_generation_prompt: bool = True
+
+
+class PriorityUpdate(_Strict):
+    """Body of POST /v1/requests/{id}/priority."""
+
+    priority: Hint = Field(description="the request's new priority; lower runs first (--policy priority)")
+
+
+class PriorityResponse(BaseModel):
+    id: str
+    priority: int
 
 
 class UsageInfo(BaseModel):
