@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from test_scheduler import fingerprint
+from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import SchedulerConfig, parse_vtc_weights
 from tokenslice.engine.engine import Engine
 from tokenslice.predict.cost import load_cost_model
@@ -79,34 +80,20 @@ def test_non_zero_priority_is_refused_by_policies_without_priorities() -> None:
     assert eng.set_priority("q", 0) and not eng.set_priority("nope", 0)
 
 
-@dataclass
-class Item:
-    request_id: str
-    arrival_time: float
-    prompt_len: int
-    output_len: int
-    user: str | None = None
-    priority: int | None = None
-
-
-def trace(n: int, seed: int, users: int = 3) -> list[Item]:
+def trace(n: int, seed: int, users: int = 3) -> list[WorkloadRequest]:
+    """Bursty arrivals, each request labelled with a user and a priority."""
     rng = random.Random(seed)
     t, out = 0.0, []
     for i in range(n):
         t += rng.expovariate(4.0) * (0.1 if rng.random() < 0.3 else 1.0)
-        out.append(Item(f"r{i}", t, rng.randint(1, 600), rng.randint(1, 300), f"u{rng.randrange(users)}",
-                        rng.randrange(4)))
+        out.append(WorkloadRequest(f"r{i}", t, None, rng.randint(1, 600), rng.randint(1, 300),
+                                   user=f"u{rng.randrange(users)}", priority=rng.randrange(4)))
     return out
 
 
 def test_trace_priorities_replay_unlabelled_under_other_policies() -> None:
     reqs = engine("fcfs", batch=8).replay(trace(10, seed=1))
     assert all(r.priority == 0 and r.finish_reason == "stop" for r in reqs)
-
-
-def fingerprint(reqs: list[Request]) -> list[tuple]:
-    return [(r.metrics.token_times, r.metrics.finish_time, r.metrics.preemptions, r.metrics.recomputed_tokens,
-             r.metrics.exec_s) for r in reqs]
 
 
 @pytest.mark.parametrize("policy", ["priority", "vtc"])
