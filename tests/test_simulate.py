@@ -13,7 +13,7 @@ import pytest
 from tokenslice.bench.metrics import METRIC_KEYS
 from tokenslice.bench.simulate import (SweepSpec, ample_kv_blocks, fcfs_saturation_rps, records_from_requests,
                                        run_sweep, simulate_run)
-from tokenslice.bench.workloads import DatasetCache, make_workload
+from tokenslice.bench.workloads import DatasetCache, PriorityPattern, PriorityUpdates, make_workload
 from tokenslice.cli import main
 from tokenslice.config import SchedulerConfig
 from tokenslice.predict.cost import load_cost_model
@@ -180,3 +180,66 @@ def test_sweep_spec_takes_scheduler_defaults_from_the_config() -> None:
                       mlfq_num_queues=4, length_predictor="/some/dir")
     cfg = tuned.scheduler_config("fcfs", 0.5)
     assert (cfg.eviction_amortization, cfg.mlfq_num_queues, cfg.length_predictor) == (0.0, 4, None)
+
+
+# ---------------------------------------------------------------- priority updates (FastSwitch §4)
+
+def _priority_engine_class():
+    from tokenslice.engine.engine import Engine
+
+    class PriorityRecordingEngine(Engine):
+        """Records what replay asks of `set_priority` (the priority policy's engine call) and sets the
+        level on the request; counts fast-forwarded windows."""
+
+        def set_priority(self, request_id: str, priority: int) -> bool:
+            req = self.scheduler.requests.get(request_id)
+            if req is None:
+                return False
+            self.calls.append((self.num_steps, request_id, priority))
+            req.priority = priority
+            return True
+
+        def _repeat(self, plan, horizon, max_steps=None):
+            ran = super()._repeat(plan, horizon, max_steps)
+            if ran is not None:
+                self.windows += 1
+            return ran
+
+    return PriorityRecordingEngine
+
+
+def _replay_with_updates(cost, fast_forward: bool, pattern: PriorityPattern | None):
+    cls = _priority_engine_class()
+    engine = cls.simulated(SchedulerConfig(policy="fcfs", max_batch_size=4), cost, kv_cache_blocks=4096)
+    engine.fast_forward = fast_forward
+    engine.calls, engine.windows = [], 0
+    wl = make_workload("synthetic-fixed", num_requests=12, rate=1.0, seed=3, input_len=64, output_len=200)
+    reqs = engine.replay(wl, priority_updates=PriorityUpdates(pattern) if pattern else None)
+    return engine, reqs
+
+
+@pytest.mark.parametrize("kind", ["random", "markov"])
+def test_replay_applies_priority_updates_at_the_same_steps_with_fast_forward(cost, kind: str) -> None:
+    pattern = PriorityPattern(kind, update_freq=1 / 16, levels=4, seed=5)
+    fast, fast_reqs = _replay_with_updates(cost, True, pattern)
+    slow, slow_reqs = _replay_with_updates(cost, False, pattern)
+    assert fast.windows > 0 and slow.windows == 0  # fast-forward ran, and stopped at each update point
+    assert fast.calls and fast.calls == slow.calls
+    # Every 16 steps, while requests are live, each live request gets a level.
+    assert {step for step, _, _ in fast.calls} == set(range(16, fast.num_steps, 16))
+    assert fast.num_steps == slow.num_steps
+    assert [r.priority for r in fast_reqs] == [r.priority for r in slow_reqs]
+    for a, b in zip(records_from_requests(fast_reqs), records_from_requests(slow_reqs), strict=True):
+        assert a.token_times == b.token_times
+    # Without updates fast-forward windows run past update points: the cap is what stops them.
+    free, _ = _replay_with_updates(cost, True, None)
+    assert free.windows < fast.windows and not free.calls
+
+
+def test_replay_initial_priorities_come_from_the_pattern(cost) -> None:
+    pattern = PriorityPattern("markov", update_freq=1e-6, levels=3, seed=9)  # no update point is reached
+    engine, reqs = _replay_with_updates(cost, True, pattern)
+    assert not engine.calls
+    gen = PriorityUpdates(pattern)
+    assert [r.priority for r in reqs] == [gen.initial(r) for r in reqs]  # arrival order = trace order here
+    assert len({r.priority for r in reqs}) > 1

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenslice.bench.workloads import (DEFAULT_PRIORITY_LEVELS, PRIORITY_PATTERNS, WORKLOAD_NAMES, DatasetCache, LengthDist, PriorityPattern, PriorityUpdates, alpaca_pairs, arrival_times,
+from tokenslice.bench.workloads import (DEFAULT_PRIORITY_LEVELS, PRIORITY_PATTERNS, WORKLOAD_NAMES, DatasetCache,
+                                        LengthDist, PriorityPattern, PriorityUpdates, alpaca_pairs, arrival_times,
                                         filter_lengths, load_conversations, load_workload, make_workload,
                                         resolve_dataset, sample_indices, save_workload, scale_io_ratio,
                                         sharegpt_first_pair, sharegpt_turns, workload_stats)
