@@ -243,3 +243,51 @@ def test_replay_initial_priorities_come_from_the_pattern(cost) -> None:
     gen = PriorityUpdates(pattern)
     assert [r.priority for r in reqs] == [gen.initial(r) for r in reqs]  # arrival order = trace order here
     assert len({r.priority for r in reqs}) > 1
+
+
+def test_simulate_cli_users_fairness_on_fastswitch_profile(tmp_path: Path) -> None:
+    out = tmp_path / "users.json"
+    rc = main(["simulate", "--profile", "llama-8b@a10-24gb", "--workload", "synthetic-lognormal", "--policy",
+               "fcfs", "--rates", "4", "--num-requests", "60", "--num-users", "3", "--out", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    check_results_file(data)
+    assert data["workload"]["num_users"] == 3 and data["workload"]["priority_pattern"] is None
+    run = data["runs"][0]
+    assert sorted(run["per_user"]) == ["user-0", "user-1", "user-2"]
+    assert sum(u["num_requests"] for u in run["per_user"].values()) == 60
+    m = run["metrics"]
+    assert m["num_users"] == 3 and 1 / 3 <= m["jain_service"] <= 1 and 1 / 3 <= m["jain_normalized_latency"] <= 1
+    assert m["max_service_gap_tokens"] >= 0
+
+
+def test_simulate_cli_priority_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["simulate", "--profile", PROFILE, "--workload", "synthetic-fixed", "--num-requests", "10", "--quiet",
+            "--policy", "fcfs", "--rates", "1"]
+    with pytest.raises(SystemExit):
+        main(base + ["--priority-pattern", "zigzag"])
+    assert "zigzag" in capsys.readouterr().err
+    assert main(base + ["--priority-pattern", "random", "--priority-update-freq", "0"]) == 2
+    assert "frequency" in capsys.readouterr().err
+
+
+def test_sweep_spec_priority_pattern_follows_the_seed() -> None:
+    spec = SweepSpec(workload="synthetic-fixed", policies=["fcfs"], rates=[1.0], priority_pattern="markov",
+                     priority_update_freq=0.02, priority_levels=4)
+    assert spec.priority(7) == PriorityPattern("markov", 0.02, 4, 7)
+    assert SweepSpec(workload="synthetic-fixed", policies=["fcfs"], rates=[1.0]).priority(7) is None
+    assert SweepSpec.priority_update_freq == PriorityPattern.update_freq  # one default, in PriorityPattern
+
+
+@pytest.mark.skipif(not hasattr(__import__("tokenslice.engine.engine", fromlist=["Engine"]).Engine, "set_priority"),
+                    reason="needs Engine.set_priority (the priority policy's engine call)")
+def test_simulate_cli_priority_pattern_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "prio.json"
+    rc = main(["simulate", "--profile", "qwen-32b@a100-80gb", "--workload", "synthetic-lognormal", "--policy",
+               "fcfs", "--rates", "2", "--num-requests", "40", "--num-users", "2", "--priority-pattern", "markov",
+               "--priority-update-freq", "0.05", "--priority-levels", "4", "--out", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert (data["workload"]["priority_pattern"], data["workload"]["priority_update_freq"],
+            data["workload"]["priority_levels"]) == ("markov", 0.05, 4)
+    assert data["runs"][0]["metrics"]["num_finished"] == 40

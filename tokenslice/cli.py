@@ -121,6 +121,16 @@ def _add_scheduler_tuning_args(p: argparse.ArgumentParser, cls: type) -> None:
     add_field_flag(p, cls, "mlfq_num_queues", help="MLFQ: number of priority queues")
 
 
+def add_priority_flags(p: argparse.ArgumentParser, cls: type) -> None:
+    """Users and FastSwitch §4's priority patterns, for `simulate` (SweepSpec) and `bench` (BenchSpec)."""
+    add_field_flag(p, cls, "num_users", help="spread requests uniformly over this many users (fairness metrics)")
+    add_field_flag(p, cls, "priority_pattern", help="give requests priorities from this pattern at arrival and "
+                   "change the live ones' every 1/f iterations (FastSwitch §4; default: no priorities)")
+    add_field_flag(p, cls, "priority_update_freq", metavar="F",
+                   help="with --priority-pattern: update priorities every 1/F iterations (0.01: every 100)")
+    add_field_flag(p, cls, "priority_levels", help="with --priority-pattern: number of priority levels")
+
+
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """The engine flags (add_engine_args) back into an EngineConfig: each by its field name."""
     names = set(EngineConfig.option_names())
@@ -437,6 +447,7 @@ def add_simulation_subcommands(sub: Any) -> None:
     flag("length_predictor", metavar="DIR",
          help="output-length predictor from `tokenslice predictor build` (srpt-predicted): each "
          "request is predicted from its prompt text; build it on records the workload does not draw")
+    add_priority_flags(m, SweepSpec)
     m.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
     m.add_argument("--save-requests", action="store_true",
                    help="keep per-request data in --out (for TTFT/TBT CDFs in `report`)")
