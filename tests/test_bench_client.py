@@ -314,8 +314,9 @@ def test_independent_server_failures_and_history(paced: tuple[str, list[dict[str
 
 # ---------------------------------------------------------------- priority updates (FastSwitch §4)
 
-def priority_app(bodies: list[dict[str, Any]], calls: list[tuple[str, int, int]]) -> FastAPI:
-    """Completions at TPOT_S / 2 per token, each named cmpl-N in X-Request-Id and every chunk, and
+def priority_app(bodies: list[dict[str, Any]], calls: list[tuple[str, int, int]], tpot_s: float = TPOT_S / 2
+                 ) -> FastAPI:
+    """Completions at `tpot_s` per token, each named cmpl-N in X-Request-Id and every chunk, and
     the priority route: 200 for a live request, 404 otherwise. Prompt "gone" is never live (its
     updates all get 404). `calls` gets (id, priority, status) of every update."""
     app = FastAPI()
@@ -335,7 +336,7 @@ def priority_app(bodies: list[dict[str, Any]], calls: list[tuple[str, int, int]]
 
         async def events() -> AsyncIterator[str]:
             for i in range(body["max_tokens"]):
-                await asyncio.sleep(TPOT_S / 2)
+                await asyncio.sleep(tpot_s)
                 last = i == body["max_tokens"] - 1
                 if last:
                     live.discard(rid)
@@ -388,3 +389,29 @@ def test_client_sends_initial_priorities_and_updates_live_requests() -> None:
     assert counts["not_live"] == sum(status == 404 for *_, status in calls) > 0
     assert counts["failed"] == 0 and counts["points"] > 0
     assert all(status == 404 for rid, _, status in calls if rid == by_id["r2"].response_id)
+
+
+def test_bench_command_with_priority_pattern_and_users(tmp_path: Path) -> None:
+    from tokenslice.cli import main
+
+    bodies: list[dict[str, Any]] = []
+    calls: list[tuple[str, int, int]] = []
+    out = tmp_path / "prio.json"
+    with serve_in_thread(priority_app(bodies, calls, tpot_s=0.01)) as url:
+        rc = main(["bench", "--url", url, "--workload", "synthetic-fixed", "--rates", "20", "--num-requests", "6",
+                   "--input-len", "8", "--output-len", "12", "--num-users", "2", "--priority-pattern", "random",
+                   "--priority-update-freq", "0.5", "--priority-levels", "3", "--warmup", "1",
+                   "--slo-normalized-latency", "10", "--out", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    wl = data["workload"]
+    assert (wl["priority_pattern"], wl["priority_update_freq"], wl["priority_levels"], wl["num_users"]) == \
+        ("random", 0.5, 3, 2)
+    # No --iteration-s: a lone request's decode step was measured (this server: 0.01 s per token).
+    assert wl["iteration_s"] == pytest.approx(0.01, rel=0.5)
+    run = data["runs"][0]
+    assert sorted(run["per_user"]) == ["user-0", "user-1"]
+    assert run["metrics"]["num_users"] == 2 and run["metrics"]["jain_service"] is not None
+    assert run["priority_updates"]["accepted"] > 0 and run["priority_updates"]["failed"] == 0
+    measured = [b for b in bodies if "priority" in b]
+    assert len(measured) == 6 and all(0 <= b["priority"] < 3 for b in measured)  # warm-up and calibration send none
