@@ -211,15 +211,22 @@ def test_running_server_is_torn_down() -> None:
 
 # ---------------------------------------------------------------- an independent server at a known pace
 
-def paced_app(received: list[dict[str, Any]]) -> FastAPI:
-    """A minimal OpenAI-compatible completions server: TTFT_S to the first token, then TPOT_S per
-    token. Prompt "stall" never finishes; prompt "fail" sends an error event mid-stream. Its answer
-    text names the request, so a conversation's next prompt shows whether it carried the answer."""
+def app_serving(model: str) -> FastAPI:
+    """A FastAPI app whose /v1/models lists `model`; tests add the routes they need."""
     app = FastAPI()
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "paced", "object": "model"}]})
+        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    return app
+
+
+def paced_app(received: list[dict[str, Any]]) -> FastAPI:
+    """A minimal OpenAI-compatible completions server: TTFT_S to the first token, then TPOT_S per
+    token. Prompt "stall" never finishes; prompt "fail" sends an error event mid-stream. Its answer
+    text names the request, so a conversation's next prompt shows whether it carried the answer."""
+    app = app_serving("paced")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> StreamingResponse:
@@ -319,12 +326,8 @@ def priority_app(bodies: list[dict[str, Any]], calls: list[tuple[str, int, int]]
     """Completions at `tpot_s` per token, each named cmpl-N in X-Request-Id and every chunk, and
     the priority route: 200 for a live request, 404 otherwise. Prompt "gone" is never live (its
     updates all get 404). `calls` gets (id, priority, status) of every update."""
-    app = FastAPI()
+    app = app_serving("prio")
     live: set[str] = set()
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "prio", "object": "model"}]})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> StreamingResponse:
