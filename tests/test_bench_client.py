@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from tokenslice.bench.client import ClientConfig, ClientRecord, LoadClient, coun
 from tokenslice.bench.metrics import SLO, summarize
 from tokenslice.bench.report import format_table, load_results
 from tokenslice.bench.sweep import BenchSpec, bench_summary, clearly_past, run_bench, running_server, ServerSpec
-from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload
+from tokenslice.bench.workloads import DatasetCache, PriorityPattern, WorkloadRequest, make_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -210,15 +211,22 @@ def test_running_server_is_torn_down() -> None:
 
 # ---------------------------------------------------------------- an independent server at a known pace
 
-def paced_app(received: list[dict[str, Any]]) -> FastAPI:
-    """A minimal OpenAI-compatible completions server: TTFT_S to the first token, then TPOT_S per
-    token. Prompt "stall" never finishes; prompt "fail" sends an error event mid-stream. Its answer
-    text names the request, so a conversation's next prompt shows whether it carried the answer."""
+def app_serving(model: str) -> FastAPI:
+    """A FastAPI app whose /v1/models lists `model`; tests add the routes they need."""
     app = FastAPI()
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": "paced", "object": "model"}]})
+        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    return app
+
+
+def paced_app(received: list[dict[str, Any]]) -> FastAPI:
+    """A minimal OpenAI-compatible completions server: TTFT_S to the first token, then TPOT_S per
+    token. Prompt "stall" never finishes; prompt "fail" sends an error event mid-stream. Its answer
+    text names the request, so a conversation's next prompt shows whether it carried the answer."""
+    app = app_serving("paced")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> StreamingResponse:
@@ -249,23 +257,32 @@ def paced_app(received: list[dict[str, Any]]) -> FastAPI:
     return app
 
 
-@pytest.fixture(scope="module")
-def paced() -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    received: list[dict[str, Any]] = []
+@contextmanager
+def serve_in_thread(app: FastAPI) -> Iterator[str]:
+    """`app` on uvicorn on a free loopback port, in a thread; its base URL. Stopped on exit."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(paced_app(received), log_level="warning", timeout_graceful_shutdown=1))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "paced server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", received
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def paced() -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    received: list[dict[str, Any]] = []
+    with serve_in_thread(paced_app(received)) as url:
+        yield url, received
 
 
 def test_client_timing_matches_a_known_pace(paced: tuple[str, list[dict[str, Any]]]) -> None:
@@ -300,3 +317,104 @@ def test_independent_server_failures_and_history(paced: tuple[str, list[dict[str
     assert sent["prompt"].startswith("hi") and first.text in sent["prompt"]
     m = summarize(result.records)
     assert (m["num_requests"], m["num_failed"]) == (6, 4)
+
+
+# ---------------------------------------------------------------- priority updates (FastSwitch §4)
+
+def priority_app(bodies: list[dict[str, Any]], calls: list[tuple[str, int, int]], tpot_s: float = TPOT_S / 2
+                 ) -> FastAPI:
+    """Completions at `tpot_s` per token, each named cmpl-N in X-Request-Id and every chunk, and
+    the priority route: 200 for a live request, 404 otherwise. Prompt "gone" is never live (its
+    updates all get 404). `calls` gets (id, priority, status) of every update."""
+    app = app_serving("prio")
+    live: set[str] = set()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        body = await request.json()
+        bodies.append(body)
+        rid = f"cmpl-{len(bodies)}"
+        if body["prompt"] != "gone":
+            live.add(rid)
+
+        async def events() -> AsyncIterator[str]:
+            for i in range(body["max_tokens"]):
+                await asyncio.sleep(tpot_s)
+                last = i == body["max_tokens"] - 1
+                if last:
+                    live.discard(rid)
+                chunk = {"id": rid, "object": "text_completion", "model": "prio",
+                         "choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if last else None}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"X-Request-Id": rid})
+
+    @app.post("/v1/requests/{rid}/priority")
+    async def set_priority(rid: str, request: Request) -> JSONResponse:
+        level = int((await request.json())["priority"])
+        status = 200 if rid in live else 404
+        calls.append((rid, level, status))
+        if status == 404:
+            return JSONResponse({"error": {"message": "not live", "type": "not_found"}}, status_code=404)
+        return JSONResponse({"id": rid, "priority": level})
+
+    return app
+
+
+def test_client_sends_initial_priorities_and_updates_live_requests() -> None:
+    bodies: list[dict[str, Any]] = []
+    calls: list[tuple[str, int, int]] = []
+    requests = [_request(0, "a", 20), _request(1, "b", 20, at=0.1), _request(2, "gone", 20, at=0.2),
+                _request(3, "late", 4, at=0.3)]
+    pattern = PriorityPattern("markov", update_freq=0.5, levels=4, seed=1)  # every 2 iterations
+    with serve_in_thread(priority_app(bodies, calls)) as url:
+        client = LoadClient(ClientConfig(url))
+        with pytest.raises(ValueError, match="iteration time"):
+            client.run(requests, priority=pattern)
+        result = client.run(requests, priority=pattern, iteration_s=TPOT_S)
+    by_id = {r.request_id: r for r in result.records}
+    assert all(r.ok for r in result.records)
+    # Initial levels go in the body and stay on the records; the client learnt each response id.
+    by_response = {r.response_id: r for r in result.records}
+    for i, body in enumerate(bodies):
+        rec = by_response[f"cmpl-{i + 1}"]
+        assert body["priority"] == rec.priority and 0 <= rec.priority < 4
+        # Markov: each update moves a request's level by at most one.
+        levels = [rec.priority] + [level for rid, level, _ in calls if rid == rec.response_id]
+        assert all(abs(a - b) <= 1 for a, b in zip(levels, levels[1:]))
+    # Updates: only for ids the server issued, levels in range; 404 (finished, or never live) is not an error.
+    issued = {r.response_id for r in result.records}
+    assert calls and {rid for rid, _, _ in calls} <= issued
+    assert all(0 <= level < 4 for _, level, _ in calls)
+    counts = result.priority_updates
+    assert counts["accepted"] == sum(status == 200 for *_, status in calls) > 0
+    assert counts["not_live"] == sum(status == 404 for *_, status in calls) > 0
+    assert counts["failed"] == 0 and counts["points"] > 0
+    assert all(status == 404 for rid, _, status in calls if rid == by_id["r2"].response_id)
+
+
+def test_bench_command_with_priority_pattern_and_users(tmp_path: Path) -> None:
+    from tokenslice.cli import main
+
+    bodies: list[dict[str, Any]] = []
+    calls: list[tuple[str, int, int]] = []
+    out = tmp_path / "prio.json"
+    with serve_in_thread(priority_app(bodies, calls, tpot_s=0.01)) as url:
+        rc = main(["bench", "--url", url, "--workload", "synthetic-fixed", "--rates", "20", "--num-requests", "6",
+                   "--input-len", "8", "--output-len", "12", "--num-users", "2", "--priority-pattern", "random",
+                   "--priority-update-freq", "0.5", "--priority-levels", "3", "--warmup", "1",
+                   "--slo-normalized-latency", "10", "--out", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    wl = data["workload"]
+    assert (wl["priority_pattern"], wl["priority_update_freq"], wl["priority_levels"], wl["num_users"]) == \
+        ("random", 0.5, 3, 2)
+    # No --iteration-s: a lone request's decode step was measured (this server: 0.01 s per token).
+    assert wl["iteration_s"] == pytest.approx(0.01, rel=0.5)
+    run = data["runs"][0]
+    assert sorted(run["per_user"]) == ["user-0", "user-1"]
+    assert run["metrics"]["num_users"] == 2 and run["metrics"]["jain_service"] is not None
+    assert run["priority_updates"]["accepted"] > 0 and run["priority_updates"]["failed"] == 0
+    measured = [b for b in bodies if "priority" in b]
+    assert len(measured) == 6 and all(0 <= b["priority"] < 3 for b in measured)  # warm-up and calibration send none

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenslice.bench.metrics import (METRIC_KEYS, SLO, RequestRecord, goodput, makespan, max_rate_detail,
-                                      max_rate_under_slo, meets_slo, percentile, results_file, run_entry,
-                                      slo_attainment, summarize, sweep_summary)
+from tokenslice.bench.metrics import (METRIC_KEYS, SLO, RequestRecord, fairness_metrics, goodput, jain_index,
+                                      makespan, max_rate_detail, max_rate_under_slo, max_service_gap, meets_slo,
+                                      percentile, results_file, run_entry, slo_attainment, summarize, sweep_summary,
+                                      user_summary)
 
 
 def rec(rid: str, arrival: float, times: list[float], **kw: object) -> RequestRecord:
@@ -219,3 +220,52 @@ def test_metrics_match_numpy_on_random_runs() -> None:
     assert s["p95_normalized_latency"] == pytest.approx(np.percentile(norm, 95, method="inverted_cdf"))
     tbt = np.concatenate([np.diff(r.token_times) for r in records])
     assert s["p999_tbt"] == pytest.approx(np.percentile(tbt, 99.9, method="inverted_cdf"))
+
+
+# ---------------------------------------------------------------- fairness across users
+
+def _rec(rid: str, user: str, arrival: float, times: list[float], prompt: int) -> RequestRecord:
+    return RequestRecord.from_token_times(rid, arrival, times, prompt_tokens=prompt, user=user)
+
+
+def test_jain_index_hand_values() -> None:
+    assert jain_index([3.0, 3.0, 3.0]) == 1.0
+    assert jain_index([4.0, 0.0]) == 0.5  # 16 / (2 * 16): one user has everything
+    assert jain_index([1.0, 2.0]) == pytest.approx(0.9)  # 9 / (2 * 5)
+    assert jain_index([0.0, 0.0]) == 1.0
+    assert jain_index([]) is None
+
+
+def test_user_service_latency_and_gap_hand_computed() -> None:
+    # a: prompt 2, tokens at 1, 2, 3; b: prompt 2, tokens at 4, 5, 6; both arrive at 0.
+    recs = [_rec("a", "u-a", 0.0, [1.0, 2.0, 3.0], 2), _rec("b", "u-b", 0.0, [4.0, 5.0, 6.0], 2)]
+    users = user_summary(recs)
+    assert users["u-a"] == {"num_requests": 1, "num_finished": 1, "service_tokens": 5.0,
+                            "mean_normalized_latency": 1.0, "mean_ttft": 1.0, "mean_jct": 3.0}
+    assert users["u-b"]["service_tokens"] == 5.0 and users["u-b"]["mean_normalized_latency"] == 2.0
+    # Both backlogged on [0, 3]: a got 2 + 1 at t=1, then 1 at t=2 and t=3; b nothing.
+    assert max_service_gap(recs) == 5.0
+    m = summarize(recs)
+    assert m["num_users"] == 2
+    assert m["jain_service"] == 1.0
+    assert m["jain_normalized_latency"] == pytest.approx(0.9)
+    assert m["max_service_gap_tokens"] == 5.0
+
+
+def test_service_gap_counts_only_while_both_are_backlogged() -> None:
+    # u-a is served on [0, 2] alone, then on [10, 13]; u-b waits on [5, 12.5]. Only [10, 12.5]
+    # counts: a's cumulative service minus b's there is 2, 3, 2, 3, 2 (t = 10, 11, 11.5, 12, 12.5).
+    recs = [_rec("a1", "u-a", 0.0, [1.0, 2.0], 0), _rec("a2", "u-a", 10.0, [11.0, 12.0, 13.0], 0),
+            _rec("b", "u-b", 5.0, [11.5, 12.5], 0)]
+    assert max_service_gap(recs) == 1.0
+    assert user_summary(recs)["u-a"]["num_requests"] == 2
+    # Never backlogged together: no gap.
+    apart = [_rec("a", "u-a", 0.0, [1.0], 0), _rec("b", "u-b", 2.0, [3.0], 0)]
+    assert max_service_gap(apart) == 0.0
+
+
+def test_fairness_keys_only_with_users() -> None:
+    recs = [RequestRecord.from_token_times("x", 0.0, [1.0, 2.0])]
+    assert fairness_metrics(recs) == {}
+    assert "jain_service" not in summarize(recs)
+    assert max_service_gap([_rec("a", "u-a", 0.0, [1.0], 0)]) is None

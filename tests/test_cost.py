@@ -221,3 +221,21 @@ def test_profile_without_group_terms_still_loads() -> None:
     cm = CostModel.from_dict(old)
     assert cm.coefficients["has_prefill"] == 0.0
     assert cm.iteration_seconds(BatchShape.from_lengths(decode=[10])) == pytest.approx(1e-3 + 1e-5 + 1e-7)
+
+
+@pytest.mark.parametrize("spec", ["llama-8b@a10-24gb", "qwen-32b@a100-80gb"])
+def test_fastswitch_profiles(spec: str) -> None:
+    cm = load_cost_model(spec)
+    assert cm.name == spec
+    assert cm.kv_capacity_tokens() > 0  # the weights fit with room for KV
+    # GQA with 8 KV heads of 128 in fp16, per layer K and V.
+    layers = {"llama-8b": 32, "qwen-32b": 64}[spec.split("@")[0]]
+    assert cm.kv_bytes_per_token == 2 * layers * 8 * 128 * 2
+
+
+def test_fastswitch_a10_host_link() -> None:
+    # PCIe 4.0 x16 at 32 GB/s and 10 us per copy call: one 1 MiB copy vs sixteen 64 KiB copies.
+    cm = load_cost_model("llama-8b@a10-24gb")
+    assert cm.transfer_seconds(1 << 20, 1) == pytest.approx(10e-6 + (1 << 20) / 32e9)
+    assert cm.transfer_seconds(1 << 20, 16) == pytest.approx(16 * 10e-6 + (1 << 20) / 32e9)
+    assert MODEL_SPECS["llama-8b"].derived_params == MODEL_SPECS["llama-3-8b"].derived_params

@@ -13,7 +13,7 @@ import pytest
 from tokenslice.bench.metrics import METRIC_KEYS
 from tokenslice.bench.simulate import (SweepSpec, ample_kv_blocks, fcfs_saturation_rps, records_from_requests,
                                        run_sweep, simulate_run)
-from tokenslice.bench.workloads import DatasetCache, make_workload
+from tokenslice.bench.workloads import DatasetCache, PriorityPattern, PriorityUpdates, make_workload
 from tokenslice.cli import main
 from tokenslice.config import SchedulerConfig
 from tokenslice.predict.cost import load_cost_model
@@ -180,3 +180,110 @@ def test_sweep_spec_takes_scheduler_defaults_from_the_config() -> None:
                       mlfq_num_queues=4, length_predictor="/some/dir")
     cfg = tuned.scheduler_config("fcfs", 0.5)
     assert (cfg.eviction_amortization, cfg.mlfq_num_queues, cfg.length_predictor) == (0.0, 4, None)
+
+
+# ---------------------------------------------------------------- priority updates (FastSwitch §4)
+
+def _priority_engine_class():
+    from tokenslice.engine.engine import Engine
+
+    class PriorityRecordingEngine(Engine):
+        """Records the `set_priority` calls replay makes that reach a live request; counts
+        fast-forwarded windows."""
+
+        def set_priority(self, request_id: str, priority: int) -> bool:
+            live = super().set_priority(request_id, priority)
+            if live:
+                self.calls.append((self.num_steps, request_id, priority))
+            return live
+
+        def _repeat(self, plan, horizon, max_steps=None):
+            ran = super()._repeat(plan, horizon, max_steps)
+            if ran is not None:
+                self.windows += 1
+            return ran
+
+    return PriorityRecordingEngine
+
+
+def _replay_with_updates(cost, fast_forward: bool, pattern: PriorityPattern | None):
+    cls = _priority_engine_class()
+    engine = cls.simulated(SchedulerConfig(policy="priority", max_batch_size=4), cost, kv_cache_blocks=4096)
+    engine.fast_forward = fast_forward
+    engine.calls, engine.windows = [], 0
+    wl = make_workload("synthetic-fixed", num_requests=12, rate=1.0, seed=3, input_len=64, output_len=200)
+    reqs = engine.replay(wl, priority_updates=PriorityUpdates(pattern) if pattern else None)
+    return engine, reqs
+
+
+@pytest.mark.parametrize("kind", ["random", "markov"])
+def test_replay_applies_priority_updates_at_the_same_steps_with_fast_forward(cost, kind: str) -> None:
+    pattern = PriorityPattern(kind, update_freq=1 / 16, levels=4, seed=5)
+    fast, fast_reqs = _replay_with_updates(cost, True, pattern)
+    slow, slow_reqs = _replay_with_updates(cost, False, pattern)
+    assert fast.windows > 0 and slow.windows == 0  # fast-forward ran, and stopped at each update point
+    assert fast.calls and fast.calls == slow.calls
+    # Every 16 steps, while requests are live, each live request gets a level.
+    assert {step for step, _, _ in fast.calls} == set(range(16, fast.num_steps, 16))
+    assert fast.num_steps == slow.num_steps
+    assert [r.priority for r in fast_reqs] == [r.priority for r in slow_reqs]
+    for a, b in zip(records_from_requests(fast_reqs), records_from_requests(slow_reqs), strict=True):
+        assert a.token_times == b.token_times
+    # Without updates fast-forward windows run past update points: the cap is what stops them.
+    free, _ = _replay_with_updates(cost, True, None)
+    assert free.windows < fast.windows and not free.calls
+
+
+def test_replay_initial_priorities_come_from_the_pattern(cost) -> None:
+    pattern = PriorityPattern("markov", update_freq=1e-6, levels=3, seed=9)  # no update point is reached
+    engine, reqs = _replay_with_updates(cost, True, pattern)
+    assert not engine.calls
+    gen = PriorityUpdates(pattern)
+    assert [r.priority for r in reqs] == [gen.initial(r) for r in reqs]  # arrival order = trace order here
+    assert len({r.priority for r in reqs}) > 1
+
+
+def test_simulate_cli_users_fairness_on_fastswitch_profile(tmp_path: Path) -> None:
+    out = tmp_path / "users.json"
+    rc = main(["simulate", "--profile", "llama-8b@a10-24gb", "--workload", "synthetic-lognormal", "--policy",
+               "fcfs", "--rates", "4", "--num-requests", "60", "--num-users", "3", "--out", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    check_results_file(data)
+    assert data["workload"]["num_users"] == 3 and data["workload"]["priority_pattern"] is None
+    run = data["runs"][0]
+    assert sorted(run["per_user"]) == ["user-0", "user-1", "user-2"]
+    assert sum(u["num_requests"] for u in run["per_user"].values()) == 60
+    m = run["metrics"]
+    assert m["num_users"] == 3 and 1 / 3 <= m["jain_service"] <= 1 and 1 / 3 <= m["jain_normalized_latency"] <= 1
+    assert m["max_service_gap_tokens"] >= 0
+
+
+def test_simulate_cli_priority_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["simulate", "--profile", PROFILE, "--workload", "synthetic-fixed", "--num-requests", "10", "--quiet",
+            "--policy", "fcfs", "--rates", "1"]
+    with pytest.raises(SystemExit):
+        main(base + ["--priority-pattern", "zigzag"])
+    assert "zigzag" in capsys.readouterr().err
+    assert main(base + ["--priority-pattern", "random", "--priority-update-freq", "0"]) == 2
+    assert "frequency" in capsys.readouterr().err
+
+
+def test_sweep_spec_priority_pattern_follows_the_seed() -> None:
+    spec = SweepSpec(workload="synthetic-fixed", policies=["fcfs"], rates=[1.0], priority_pattern="markov",
+                     priority_update_freq=0.02, priority_levels=4)
+    assert spec.priority(7) == PriorityPattern("markov", 0.02, 4, 7)
+    assert SweepSpec(workload="synthetic-fixed", policies=["fcfs"], rates=[1.0]).priority(7) is None
+    assert SweepSpec.priority_update_freq == PriorityPattern.update_freq  # one default, in PriorityPattern
+
+
+def test_simulate_cli_priority_pattern_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "prio.json"
+    rc = main(["simulate", "--profile", "qwen-32b@a100-80gb", "--workload", "synthetic-lognormal", "--policy",
+               "priority", "--rates", "2", "--num-requests", "40", "--num-users", "2", "--priority-pattern", "markov",
+               "--priority-update-freq", "0.05", "--priority-levels", "4", "--out", str(out), "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert (data["workload"]["priority_pattern"], data["workload"]["priority_update_freq"],
+            data["workload"]["priority_levels"]) == ("markov", 0.05, 4)
+    assert data["runs"][0]["metrics"]["num_finished"] == 40

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenslice.bench.workloads import (WORKLOAD_NAMES, DatasetCache, LengthDist, alpaca_pairs, arrival_times,
+from tokenslice.bench.workloads import (DEFAULT_PRIORITY_LEVELS, PRIORITY_PATTERNS, WORKLOAD_NAMES, DatasetCache,
+                                        LengthDist, PriorityPattern, PriorityUpdates, alpaca_pairs, arrival_times,
                                         filter_lengths, load_conversations, load_workload, make_workload,
                                         resolve_dataset, sample_indices, save_workload, scale_io_ratio,
                                         sharegpt_first_pair, sharegpt_turns, workload_stats)
@@ -269,3 +271,75 @@ def test_save_load_round_trip(tmp_path: Path, cache: DatasetCache) -> None:
     path = tmp_path / "trace.jsonl"
     save_workload(path, w)
     assert load_workload(path) == w
+
+
+# ---------------------------------------------------------------- priority patterns (FastSwitch §4)
+
+def _live(n: int) -> list[SimpleNamespace]:
+    return [SimpleNamespace(request_id=f"r{i}") for i in range(n)]
+
+
+def test_priority_pattern_period_and_validation() -> None:
+    assert PriorityPattern("random", update_freq=0.01).period == 100
+    assert PriorityPattern("markov", update_freq=0.02).period == 50
+    assert PriorityPattern("random", update_freq=1.0).period == 1
+    assert PriorityPattern().levels == DEFAULT_PRIORITY_LEVELS
+    for bad in (PriorityPattern("zigzag"), PriorityPattern(update_freq=0.0), PriorityPattern(update_freq=2.0),
+                PriorityPattern(levels=0), PriorityPattern("markov", markov_stay=1.5)):
+        with pytest.raises(ValueError):
+            bad.validate()
+    assert set(PRIORITY_PATTERNS) == {"random", "markov"}
+
+
+@pytest.mark.parametrize("kind", PRIORITY_PATTERNS)
+def test_priority_updates_are_deterministic_from_the_seed(kind: str) -> None:
+    def run(seed: int) -> list[object]:
+        gen = PriorityUpdates(PriorityPattern(kind, update_freq=0.1, levels=5, seed=seed))
+        reqs = _live(30)
+        out: list[object] = [gen.initial(r) for r in reqs]
+        ids = [r.request_id for r in reqs]
+        for k in range(1, 6):
+            out.append(gen.at_iteration(k * gen.period, ids[k:]))  # one request finishes per update
+        return out
+
+    assert run(3) == run(3)
+    assert run(3) != run(4)
+    for x in run(3):
+        levels = [x] if isinstance(x, int) else list(x.values())  # type: ignore[union-attr]
+        assert all(0 <= v < 5 for v in levels)
+
+
+def test_random_pattern_is_uniform_and_forgets_finished_requests() -> None:
+    gen = PriorityUpdates(PriorityPattern("random", levels=4, seed=0))
+    ids = [f"r{i}" for i in range(20_000)]
+    new = gen.at_iteration(100, ids)
+    assert list(new) == ids
+    counts = np.bincount(list(new.values()), minlength=4)
+    assert np.all(np.abs(counts / len(ids) - 0.25) < 0.02)
+    assert list(gen.at_iteration(200, ids[:3])) == ids[:3]  # only the live ones get a level
+
+
+def test_markov_pattern_moves_one_level_with_the_stay_probability() -> None:
+    gen = PriorityUpdates(PriorityPattern("markov", levels=8, seed=1, markov_stay=0.6))
+    reqs = _live(20_000)
+    ids = [r.request_id for r in reqs]
+    start = {r.request_id: gen.initial(r) for r in reqs}
+    counts = np.bincount(list(start.values()), minlength=8)
+    assert np.all(np.abs(counts / len(ids) - 1 / 8) < 0.02)  # initial levels: the stationary law
+    new = gen.at_iteration(100, ids)
+    steps = np.array([new[i] - start[i] for i in ids])
+    assert set(np.unique(steps)) <= {-1, 0, 1}
+    inner = np.array([0 < start[i] < 7 for i in ids])  # away from the ends every move is possible
+    assert abs(np.mean(steps[inner] == 0) - 0.6) < 0.02
+    assert abs(np.mean(steps[inner] == 1) - 0.2) < 0.02
+    assert all(0 <= v < 8 for v in new.values())
+    # The state carries over: a second update moves from the first update's level.
+    again = gen.at_iteration(200, ids)
+    assert all(abs(again[i] - new[i]) <= 1 for i in ids)
+
+
+def test_markov_pattern_with_stay_one_never_changes() -> None:
+    gen = PriorityUpdates(PriorityPattern("markov", levels=8, seed=2, markov_stay=1.0))
+    reqs = _live(50)
+    start = {r.request_id: gen.initial(r) for r in reqs}
+    assert gen.at_iteration(10, list(start)) == start

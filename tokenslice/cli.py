@@ -125,6 +125,16 @@ def _add_scheduler_tuning_args(p: argparse.ArgumentParser, cls: type) -> None:
                    help="vtc: users' shares (the OpenAI `user` field); unlisted users weigh 1")
 
 
+def add_priority_flags(p: argparse.ArgumentParser, cls: type) -> None:
+    """Users and FastSwitch §4's priority patterns, for `simulate` (SweepSpec) and `bench` (BenchSpec)."""
+    add_field_flag(p, cls, "num_users", help="spread requests uniformly over this many users (fairness metrics)")
+    add_field_flag(p, cls, "priority_pattern", help="give requests priorities from this pattern at arrival and "
+                   "change the live ones' every 1/f iterations (FastSwitch §4; default: no priorities)")
+    add_field_flag(p, cls, "priority_update_freq", metavar="F",
+                   help="with --priority-pattern: update priorities every 1/F iterations (0.01: every 100)")
+    add_field_flag(p, cls, "priority_levels", help="with --priority-pattern: number of priority levels")
+
+
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     """The engine flags (add_engine_args) back into an EngineConfig: each by its field name."""
     names = set(EngineConfig.option_names())
@@ -269,7 +279,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         max_prompt_len=a.max_prompt_len, length_filter=a.length_filter, input_len=a.input_len,
         output_len=a.output_len, min_len=a.min_len, max_len=a.max_len, slo=slo, slo_auto=slo_auto,
         slo_attainment=a.slo_attainment, early_stop_factor=a.early_stop_factor or None, warmup_requests=a.warmup,
-        interleave=a.interleave)
+        interleave=a.interleave, num_users=a.num_users, priority_pattern=a.priority_pattern,
+        priority_update_freq=a.priority_update_freq, priority_levels=a.priority_levels, iteration_s=a.iteration_s)
     send_length = {"auto": a.model is not None, "on": True, "off": False}[a.expected_length]
     client = ClientConfig(base_url=a.url or "", model=a.served_model, api_key=a.api_key, endpoint=a.endpoint,
                           ignore_eos=not a.no_ignore_eos, send_expected_length=send_length,
@@ -370,6 +381,9 @@ def add_bench_subcommand(sub: Any) -> None:
     srv.add_argument("--profile", default=None, help="cost model the policies use (see `serve --profile`)")
     srv.add_argument("--server-threads", type=int, default=None, help="torch threads in each server")
     srv.add_argument("--server-args", default=None, help="further `serve` flags, as one quoted string")
+    add_priority_flags(b, BenchSpec)
+    spec("iteration_s", metavar="SECONDS", help="with --priority-pattern: the server's iteration time, which turns "
+         "1/F iterations into wall time (default: a lone request's decode step, measured)")
     add_field_flag(srv, BenchSpec, "interleave", help="start every policy's server at once and let the policies "
                    "take turns at each rate, so that drifting machine load hits all alike")
     b.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
@@ -441,6 +455,7 @@ def add_simulation_subcommands(sub: Any) -> None:
     flag("length_predictor", metavar="DIR",
          help="output-length predictor from `tokenslice predictor build` (srpt-predicted): each "
          "request is predicted from its prompt text; build it on records the workload does not draw")
+    add_priority_flags(m, SweepSpec)
     m.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
     m.add_argument("--save-requests", action="store_true",
                    help="keep per-request data in --out (for TTFT/TBT CDFs in `report`)")

@@ -24,12 +24,23 @@ timestamps than tokens, and TBT is then measured between chunks (`chunks` record
 
 Server counters: `/metrics` is scraped before and after a run; the difference of every counter
 (and histogram `_sum` / `_count`) with the given prefix is kept, whatever the server exposes.
+
+Priority patterns (FastSwitch §4, `PriorityPattern`): each request is sent with its initial level
+in the body's `priority`, and at every update point the live requests' new levels go to
+`POST /v1/requests/{id}/priority` ({"priority": level}), `id` being the response id (the
+`X-Request-Id` header, else the first chunk's id). HTTP has no iterations, so update points are
+every period x `iteration_s` seconds: `iteration_s` is the server's decode iteration time, given or
+measured as a lone request's TPOT (`measure_decode_step`). Under load iterations take longer, so
+the updates then come at least once per 1/f iterations. A request that finished meanwhile answers
+404: counted as `not_live`, not an error.
 No torch here.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import itertools
 import json
 import re
 import time
@@ -40,7 +51,7 @@ from typing import Any
 import httpx
 
 from tokenslice.bench.metrics import COUNTER_KEYS, RequestRecord
-from tokenslice.bench.workloads import WorkloadRequest
+from tokenslice.bench.workloads import PriorityPattern, PriorityUpdates, WorkloadRequest
 
 ENDPOINTS = ("completions", "chat")
 PROMPT_FORMATS = ("auto", "synthetic")
@@ -100,6 +111,7 @@ class ClientRecord(RequestRecord):
     conversation_id: str | None = None
     turn: int = 0
     text: str = ""  # the streamed answer (the next turn's history needs it)
+    response_id: str | None = None  # the server's id (cmpl-...), for priority updates
 
 
 @dataclass
@@ -111,6 +123,8 @@ class RunResult:
     server_counters: dict[str, float] = field(default_factory=dict)
     duration_s: float = 0.0
     max_send_lag_s: float = 0.0  # worst delay between a request's due time and its sending
+    # With a priority pattern: update points, updates accepted, requests no longer live (404), failures.
+    priority_updates: dict[str, int] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- requests and streams
@@ -186,6 +200,7 @@ async def stream_one(http: httpx.AsyncClient, cfg: ClientConfig, body: dict[str,
                 if resp.status_code != 200:
                     record.error = _error_text(resp.status_code, await resp.aread())
                     return
+                record.response_id = resp.headers.get("x-request-id")
                 done = False
                 async for line in resp.aiter_lines():
                     now = time.perf_counter() - t0
@@ -199,6 +214,8 @@ async def stream_one(http: httpx.AsyncClient, cfg: ClientConfig, body: dict[str,
                     if "error" in chunk:
                         record.error = f"error event: {(chunk['error'] or {}).get('message')}"
                         return
+                    if record.response_id is None and chunk.get("id"):
+                        record.response_id = str(chunk["id"])
                     if chunk.get("usage"):
                         record.usage_completion_tokens = chunk["usage"].get("completion_tokens")
                         record.usage_prompt_tokens = chunk["usage"].get("prompt_tokens")
@@ -337,22 +354,34 @@ class LoadClient:
 
     def run(self, requests: Sequence[WorkloadRequest],
             followups: Mapping[str, Sequence[WorkloadRequest]] | None = None,
-            progress: Callable[[ClientRecord], None] | None = None) -> RunResult:
+            progress: Callable[[ClientRecord], None] | None = None,
+            priority: PriorityPattern | None = None, iteration_s: float | None = None) -> RunResult:
         """Send `requests` at their arrival times; for a request with a conversation id, send
-        the conversation's later turns (`followups[conversation_id]`) one after another."""
-        return asyncio.run(self.run_async(requests, followups, progress))
+        the conversation's later turns (`followups[conversation_id]`) one after another. With
+        `priority`, priorities follow the pattern, updated every period x `iteration_s` seconds."""
+        return asyncio.run(self.run_async(requests, followups, progress, priority, iteration_s))
 
     async def run_async(self, requests: Sequence[WorkloadRequest],
                         followups: Mapping[str, Sequence[WorkloadRequest]] | None = None,
-                        progress: Callable[[ClientRecord], None] | None = None) -> RunResult:
+                        progress: Callable[[ClientRecord], None] | None = None,
+                        priority: PriorityPattern | None = None, iteration_s: float | None = None) -> RunResult:
         followups = followups or {}
         gate = asyncio.Semaphore(self.cfg.max_concurrency) if self.cfg.max_concurrency else None
         chains: list[list[ClientRecord]] = []
         lag = 0.0
+        if priority is not None and not (iteration_s is not None and iteration_s > 0):
+            raise ValueError(f"priority updates need the server's iteration time in seconds, got {iteration_s}")
+        updates = PriorityUpdates(priority) if priority is not None else None
+        live: dict[str, ClientRecord] = {}  # records being streamed, by request id
+        counts = dict.fromkeys(("points", "accepted", "not_live", "failed"), 0) if updates else {}
         async with self._http() as http:
             model = await self.resolve_model(http)
             before = await scrape_counters(http, self.cfg)
             t0 = time.perf_counter()
+            updater = None
+            if updates is not None and iteration_s is not None:
+                updater = asyncio.create_task(
+                    self._update_priorities(http, updates, live, updates.period * iteration_s, counts))
             tasks = []
             for i, req in enumerate(sorted(requests, key=lambda r: r.arrival_time)):
                 delay = req.arrival_time - (time.perf_counter() - t0)
@@ -363,15 +392,50 @@ class LoadClient:
                 chain: list[ClientRecord] = []
                 chains.append(chain)
                 tasks.append(asyncio.create_task(self._conversation(http, model, turns, i, chain, gate, t0,
-                                                                    progress)))
+                                                                    progress, updates, live)))
             await asyncio.gather(*tasks)
             duration = time.perf_counter() - t0
+            if updater is not None:
+                updater.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await updater
             after = await scrape_counters(http, self.cfg)
-        return RunResult([r for chain in chains for r in chain], counter_deltas(before, after), duration, lag)
+        return RunResult([r for chain in chains for r in chain], counter_deltas(before, after), duration, lag,
+                         counts)
+
+    async def _update_priorities(self, http: httpx.AsyncClient, updates: PriorityUpdates,
+                                 live: Mapping[str, ClientRecord], interval_s: float, counts: dict[str, int]) -> None:
+        """FastSwitch §4 over HTTP: every `interval_s` (1/f iterations), new levels for the live
+        requests the server has named, sent concurrently. Runs until cancelled."""
+        start = time.perf_counter()
+        for k in itertools.count(1):
+            # An absolute schedule, so that slow rounds do not push later ones back.
+            await asyncio.sleep(max(0.0, start + k * interval_s - time.perf_counter()))
+            named = {rid: rec.response_id for rid, rec in live.items() if rec.response_id is not None}
+            if not named:
+                continue
+            counts["points"] += 1
+            changes = updates.at_iteration(k * updates.period, list(named))
+            codes = await asyncio.gather(*(self._set_priority(http, named[rid], level)
+                                           for rid, level in changes.items()))
+            for code in codes:
+                key = "accepted" if code == 200 else "not_live" if code == 404 else "failed"
+                counts[key] += 1
+
+    async def _set_priority(self, http: httpx.AsyncClient, response_id: str, level: int) -> int | None:
+        """POST /v1/requests/{id}/priority; the HTTP status, None when the request did not get through."""
+        try:
+            r = await http.post(f"{self.cfg.root}/v1/requests/{response_id}/priority", json={"priority": level},
+                                headers=self.cfg.headers(), timeout=30)
+        except httpx.HTTPError:
+            return None
+        return r.status_code
 
     async def _conversation(self, http: httpx.AsyncClient, model: str, turns: Sequence[WorkloadRequest],
                             index: int, out: list[ClientRecord], gate: asyncio.Semaphore | None, t0: float,
-                            progress: Callable[[ClientRecord], None] | None) -> None:
+                            progress: Callable[[ClientRecord], None] | None,
+                            updates: PriorityUpdates | None = None, live: dict[str, ClientRecord] | None = None
+                            ) -> None:
         history: list[tuple[str, str]] = []  # (prompt, answer) of earlier turns
         for k, req in enumerate(turns):
             rid = req.request_id if k == 0 else f"{req.request_id}-turn{k}"
@@ -384,14 +448,21 @@ class LoadClient:
                 continue
             if k > 0 and self.cfg.turn_gap_s > 0:
                 await asyncio.sleep(self.cfg.turn_gap_s)
+            if updates is not None:
+                rec.priority = updates.initial(rec)
+                req = dataclasses.replace(req, priority=rec.priority)
             first = prompt_for(req, self.cfg, index)
             prompt = self._with_history(history, first) if history else first
             body = request_body(self.cfg, model, prompt, req.output_len, self.cfg.seed + index * 1000 + k, req)
+            if live is not None:
+                live[rid] = rec
             if gate is not None:
                 async with gate:
                     await stream_one(http, self.cfg, body, rec, t0)
             else:
                 await stream_one(http, self.cfg, body, rec, t0)
+            if live is not None:
+                live.pop(rid, None)
             out.append(rec)
             if progress is not None:
                 progress(rec)

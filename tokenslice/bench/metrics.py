@@ -8,6 +8,12 @@
   goodput = requests meeting it per second of makespan; max rate under SLO = highest arrival rate
   whose metric stays within the SLO, interpolated linearly between sweep points.
 - Percentiles are nearest-rank.
+- Fairness across users (FastSwitch §4, VTC's measures): a user's service = the tokens the
+  server processed for it (prompt tokens, counted when the first output token arrives, plus
+  output tokens); `user_summary` gives per-user service and latency, `jain_index` Jain's index
+  (sum x)^2 / (n sum x^2) over users' service and over their mean normalized latency, and
+  `max_service_gap` the largest difference in service two users received over any interval in
+  which both were backlogged (had a request arrived and not finished).
 
 Undefined statistics (no finished request) are None, so results files stay valid JSON.
 No torch here.
@@ -208,6 +214,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | Mapping[str, Any] | f
         out[key] = float(total) if key == "swap_stall_s" else int(total)
     for key in MEAN_TIME_KEYS:
         out[key] = float(np.mean([getattr(r, key) for r in records])) if records else 0.0
+    out.update(fairness_metrics(records))
     if counters:
         out.update({k: v for k, v in counters.items()})
     slo_obj = SLO.from_any(slo)
@@ -215,6 +222,121 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | Mapping[str, Any] | f
         out["slo_attainment"] = slo_attainment(records, slo_obj)
         out["goodput_rps"] = goodput(records, slo_obj)
     return out
+
+
+# ---------------------------------------------------------------- fairness across users
+
+def jain_index(values: Sequence[float]) -> float | None:
+    """Jain's fairness index (sum x)^2 / (n sum x^2): 1 when all are equal, 1/n when one has all;
+    None for no values, 1.0 when all are zero."""
+    x = np.asarray(values, dtype=float)
+    if len(x) == 0:
+        return None
+    sq = float(np.sum(x * x))
+    return float(np.sum(x)) ** 2 / (len(x) * sq) if sq > 0 else 1.0
+
+
+def _service_events(rec: RequestRecord) -> tuple[list[float], list[float]]:
+    """(time, tokens) of each piece of service one request got: its prompt with its first token."""
+    times = list(rec.token_times)
+    amounts = [1.0] * len(times)
+    if amounts:
+        amounts[0] += rec.prompt_tokens
+    return times, amounts
+
+
+def user_summary(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
+    """Per user (records with a `user`): requests, finished, service tokens, mean normalized
+    latency, mean TTFT and mean e2e latency of its finished requests."""
+    by_user: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        if r.user is not None:
+            by_user.setdefault(r.user, []).append(r)
+    out = {}
+    for user, recs in sorted(by_user.items()):
+        done = [r for r in recs if r.finished]
+        norm = [x for x in (r.normalized_latency for r in done) if x is not None]
+        ttft = [x for x in (r.ttft for r in done) if x is not None]
+        out[user] = {"num_requests": len(recs), "num_finished": len(done),
+                     "service_tokens": sum(sum(_service_events(r)[1]) for r in recs),
+                     "mean_normalized_latency": _mean(norm), "mean_ttft": _mean(ttft),
+                     "mean_jct": _mean([r.e2e for r in done])}
+    return out
+
+
+def _backlog(recs: Sequence[RequestRecord], end: float) -> list[tuple[float, float]]:
+    """The union of [arrival, finish] over a user's requests (unfinished ones run to `end`)."""
+    spans = sorted((r.arrival, r.finish_time if r.finish_time is not None else end) for r in recs)
+    merged: list[tuple[float, float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def max_service_gap(records: Sequence[RequestRecord]) -> float | None:
+    """max over pairs of users u, v and intervals [t1, t2] in which both were backlogged of
+    |(W_u(t2) - W_u(t1)) - (W_v(t2) - W_v(t1))|, W being cumulative service tokens (VTC's
+    fairness measure). None with fewer than two users."""
+    by_user: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        if r.user is not None:
+            by_user.setdefault(r.user, []).append(r)
+    if len(by_user) < 2:
+        return None
+    end = max([r.finish_time for r in records if r.finish_time is not None]
+              + [t for r in records for t in r.token_times] + [r.arrival for r in records])
+    service: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for user, recs in by_user.items():
+        events = sorted((t, a) for r in recs for t, a in zip(*_service_events(r), strict=True))
+        service[user] = (np.array([t for t, _ in events]), np.cumsum([a for _, a in events]))
+    backlog = {u: _backlog(recs, end) for u, recs in by_user.items()}
+
+    def cumulative(user: str, at: np.ndarray) -> np.ndarray:
+        times, total = service[user]
+        idx = np.searchsorted(times, at, side="right")  # service at exactly t counts by t
+        return np.where(idx > 0, np.concatenate([[0.0], total])[idx], 0.0)
+
+    users = sorted(by_user)
+    gap = 0.0
+    for i, u in enumerate(users):
+        for v in users[i + 1:]:
+            both = _intersect(backlog[u], backlog[v])
+            if not both:
+                continue
+            ends = np.array([t for span in both for t in span])
+            at = np.unique(np.concatenate([service[u][0], service[v][0], ends]))
+            d = cumulative(u, at) - cumulative(v, at)
+            for lo, hi in both:
+                window = d[np.searchsorted(at, lo):np.searchsorted(at, hi, side="right")]
+                gap = max(gap, float(window.max() - window.min()))
+    return gap
+
+
+def _intersect(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Overlaps (of positive length) of two sorted lists of disjoint intervals."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def fairness_metrics(records: Sequence[RequestRecord]) -> dict[str, float | None]:
+    """Results-file fairness keys for a run whose requests carry users (empty otherwise)."""
+    users = user_summary(records)
+    if not users:
+        return {}
+    norm = [u["mean_normalized_latency"] for u in users.values() if u["mean_normalized_latency"] is not None]
+    return {"num_users": len(users), "jain_service": jain_index([u["service_tokens"] for u in users.values()]),
+            "jain_normalized_latency": jain_index(norm), "max_service_gap_tokens": max_service_gap(records)}
 
 
 @dataclass(frozen=True)
@@ -319,4 +441,4 @@ def results_file(tool: str, workload: Mapping[str, Any], profile: str, slo: SLO 
 
 __all__ = ["METRIC_KEYS", "COUNTER_KEYS", "RequestRecord", "SLO", "MaxRate", "percentile", "meets_slo", "makespan",
            "slo_attainment", "goodput", "summarize", "max_rate_detail", "max_rate_under_slo", "run_entry", "run_key",
-           "sweep_summary", "results_file"]
+           "sweep_summary", "results_file", "jain_index", "user_summary", "max_service_gap", "fairness_metrics"]

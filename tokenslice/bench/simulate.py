@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from tokenslice.bench.metrics import SLO, RequestRecord, max_rate_detail, results_file, run_entry, run_key, \
-    summarize, sweep_summary
-from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload, workload_stats
+    summarize, sweep_summary, user_summary
+from tokenslice.bench.workloads import PRIORITY_PATTERNS, DatasetCache, PriorityPattern, PriorityUpdates, \
+    WorkloadRequest, make_workload, workload_stats
 from tokenslice.config import CacheConfig, SchedulerConfig, field_from
 from tokenslice.predict.cost import CostModel
 from tokenslice.request import Request
@@ -90,6 +91,11 @@ class SweepSpec:
     # predicted_output_tokens from it (predict_lengths). Build it on records disjoint from the
     # ones the workload draws, or the predictions leak the outputs.
     length_predictor: str | None = None
+    num_users: int | None = None  # requests spread uniformly over this many users (fairness metrics)
+    # FastSwitch §4: priorities from a pattern, at arrival and every 1/f steps (None: no updates).
+    priority_pattern: str | None = field(default=None, metadata={"choices": PRIORITY_PATTERNS})
+    priority_update_freq: float = field_from(PriorityPattern, "update_freq")
+    priority_levels: int = field_from(PriorityPattern, "levels")
 
     def validate(self) -> None:
         if (self.rates is None) == (self.loads is None):
@@ -108,6 +114,11 @@ class SweepSpec:
         if self.length_predictor is not None and not (Path(self.length_predictor) / "predictor.json").is_file():
             raise ValueError(f"no length predictor in {self.length_predictor!r}; build one with "
                              "`tokenslice predictor build`")
+        if self.num_users is not None and self.num_users < 1:
+            raise ValueError(f"num_users must be >= 1, got {self.num_users}")
+        pattern = self.priority(0)
+        if pattern is not None:
+            pattern.validate()
 
     @property
     def sweep(self) -> str:
@@ -122,6 +133,12 @@ class SweepSpec:
         cfg.validate()
         return cfg
 
+    def priority(self, seed: int) -> PriorityPattern | None:
+        """The run's priority pattern (seeded like its workload), or None without one."""
+        if self.priority_pattern is None:
+            return None
+        return PriorityPattern(self.priority_pattern, self.priority_update_freq, self.priority_levels, seed)
+
     def host_blocks(self, kv_cache_blocks: int) -> int:
         """The host tier's size (swap modes) next to a device pool of `kv_cache_blocks`."""
         return HOST_KV_FACTOR * kv_cache_blocks if self.host_kv_blocks is None else self.host_kv_blocks
@@ -130,7 +147,7 @@ class SweepSpec:
         reqs = make_workload(self.workload, num_requests=self.num_requests, rate=rate, cv=self.cv, seed=seed,
                              dataset=self.dataset, tokenizer=self.tokenizer, io_ratio=self.io_ratio,
                              length_filter=self.length_filter, max_tokens_cap=self.max_tokens_cap,
-                             max_prompt_len=self.max_prompt_len, cache=cache)
+                             max_prompt_len=self.max_prompt_len, num_users=self.num_users, cache=cache)
         return predict_lengths(reqs, self.length_predictor) if self.length_predictor else reqs
 
 
@@ -221,11 +238,12 @@ def check_fits(requests: Sequence[WorkloadRequest], kv_cache_blocks: int, block_
 
 def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], sched_config: SchedulerConfig,
                  kv_cache_blocks: int, block_size: int = CacheConfig.block_size, host_kv_blocks: int | None = None,
-                 offload_dtype: str = CacheConfig.offload_dtype, length_predictor: str | Path | None = None
-                 ) -> tuple[list[RequestRecord], dict[str, Any]]:
+                 offload_dtype: str = CacheConfig.offload_dtype, length_predictor: str | Path | None = None,
+                 priority: PriorityPattern | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay a workload on the simulator: (per-request records, engine-wide counters). The host
     tier (swap modes only) defaults to HOST_KV_FACTOR x the device pool. With `length_predictor`, requests
-    without a prediction get one first (predict_lengths)."""
+    without a prediction get one first (predict_lengths). With `priority`, requests get priorities
+    from the pattern at arrival and every 1/f steps (FastSwitch §4)."""
     from tokenslice.engine.engine import Engine  # the engine pulls in the scheduler stack: import on use
 
     check_fits(workload_requests, kv_cache_blocks, block_size)
@@ -234,7 +252,8 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     host = HOST_KV_FACTOR * kv_cache_blocks if host_kv_blocks is None else host_kv_blocks
     engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
                               host_kv_blocks=host, offload_dtype=offload_dtype)
-    reqs = engine.replay(list(workload_requests))
+    reqs = engine.replay(list(workload_requests),
+                         priority_updates=PriorityUpdates(priority) if priority is not None else None)
     return records_from_requests(reqs), engine_counters(engine)
 
 
@@ -360,10 +379,13 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
             wl = spec.make(seed, rate, cache)
             for policy in spec.policies:
                 records, counters = simulate_run(cost, wl, spec.scheduler_config(policy, slo), kv_blocks,
-                                                 spec.block_size, spec.host_kv_blocks, spec.offload_dtype)
+                                                 spec.block_size, spec.host_kv_blocks, spec.offload_dtype,
+                                                 priority=spec.priority(seed))
                 metrics = run_metrics(records, counters, slo)
+                users = user_summary(records)
                 runs.append(run_entry(policy, spec.preemption, rate, metrics, load=load, cv=spec.cv,
-                                      num_requests=len(wl), seed=seed, per_request=per_request_data(records)))
+                                      num_requests=len(wl), seed=seed, per_request=per_request_data(records),
+                                      **({"per_user": users} if users else {})))
                 tick(f"{policy} {spec.sweep}={x:g} seed={seed}")
 
     stats = workload_stats(next(iter(at_once.values())))
@@ -372,6 +394,9 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                 "rates": spec.rates, "loads": spec.loads, "io_ratio": spec.io_ratio,
                 "length_filter": spec.length_filter, "max_tokens_cap": spec.max_tokens_cap,
                 "max_prompt_len": spec.max_prompt_len, "length_predictor": spec.length_predictor,
+                "num_users": spec.num_users, "priority_pattern": spec.priority_pattern,
+                "priority_update_freq": spec.priority_update_freq if spec.priority_pattern else None,
+                "priority_levels": spec.priority_levels if spec.priority_pattern else None,
                 "prompt_mean": stats.get("prompt_mean"),
                 "output_mean": stats.get("output_mean"),
                 "scheduler": {"preemption": spec.preemption, "max_batch_size": spec.max_batch_size,

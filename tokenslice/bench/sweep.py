@@ -35,10 +35,12 @@ import numpy as np
 
 from tokenslice.bench.client import ClientConfig, ClientRecord, LoadClient, RunResult, counters_as_metrics, \
     wait_idle
-from tokenslice.bench.metrics import COUNTER_KEYS, SLO, max_rate_detail, results_file, run_entry, summarize
+from tokenslice.bench.metrics import COUNTER_KEYS, SLO, max_rate_detail, results_file, run_entry, summarize, \
+    user_summary
 from tokenslice.bench.simulate import per_request_data
-from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload, resolve_dataset, \
-    workload_stats
+from tokenslice.bench.workloads import PRIORITY_PATTERNS, DatasetCache, PriorityPattern, WorkloadRequest, \
+    make_workload, resolve_dataset, workload_stats
+from tokenslice.config import field_from
 
 SLO_DECODE_FACTOR = 10  # the paper protocol: SLO = 10x the decode iteration time
 STARTUP_TIMEOUT_S = 300.0
@@ -72,6 +74,13 @@ class BenchSpec:
     early_stop_factor: float | None = 2.0  # None: run every point
     interleave: bool = False  # all servers at once, policies taking turns at each point (drift hits all alike)
     warmup_requests: int = 4
+    num_users: int | None = None  # requests spread uniformly over this many users (fairness metrics)
+    # FastSwitch §4: priorities from a pattern, sent at arrival and updated every 1/f iterations,
+    # an iteration being `iteration_s` seconds (None: a lone request's decode step, measured).
+    priority_pattern: str | None = field(default=None, metadata={"choices": PRIORITY_PATTERNS})
+    priority_update_freq: float = field_from(PriorityPattern, "update_freq")
+    priority_levels: int = field_from(PriorityPattern, "levels")
+    iteration_s: float | None = None
 
     def validate(self) -> None:
         if (self.rates is None) == (self.concurrency is None):
@@ -87,6 +96,19 @@ class BenchSpec:
             raise ValueError(f"slo_attainment must be in (0, 1], got {self.slo_attainment}")
         if self.early_stop_factor is not None and self.early_stop_factor < 1:
             raise ValueError(f"early_stop_factor must be >= 1, got {self.early_stop_factor}")
+        if self.num_users is not None and self.num_users < 1:
+            raise ValueError(f"num_users must be >= 1, got {self.num_users}")
+        if self.iteration_s is not None and not self.iteration_s > 0:
+            raise ValueError(f"iteration_s must be positive, got {self.iteration_s}")
+        if self.priority is not None:
+            self.priority.validate()
+
+    @property
+    def priority(self) -> PriorityPattern | None:
+        """The priority pattern (seeded like the workload), or None without one."""
+        if self.priority_pattern is None:
+            return None
+        return PriorityPattern(self.priority_pattern, self.priority_update_freq, self.priority_levels, self.seed)
 
     @property
     def sweep(self) -> str:
@@ -101,7 +123,8 @@ class BenchSpec:
                              dataset=self.dataset, tokenizer=self.tokenizer, max_tokens_cap=self.max_tokens_cap,
                              max_prompt_len=self.max_prompt_len, length_filter=self.length_filter,
                              input_len=self.input_len, output_len=self.output_len, min_len=self.min_len,
-                             max_len=self.max_len, zipf_theta=self.zipf_theta, cache=cache)
+                             max_len=self.max_len, zipf_theta=self.zipf_theta, num_users=self.num_users,
+                             cache=cache)
 
     def followups(self, requests: Sequence[WorkloadRequest], cache: DatasetCache) -> dict[str, list[WorkloadRequest]]:
         """Later turns of the sampled conversations (sharegpt-multiturn), output lengths capped
@@ -317,6 +340,10 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
             step = lc.measure_decode_step()
         slo = dataclasses.replace(slo, mean_normalized_latency=SLO_DECODE_FACTOR * step)
         calibration = {"decode_step_s": step, "factor": SLO_DECODE_FACTOR, "policy": spec.policies[0]}
+    if spec.priority is not None and spec.iteration_s is None:
+        # Priority updates come every 1/f iterations; over HTTP an iteration is a decode step's time.
+        step = calibration["decode_step_s"] if calibration else _measure_decode_step(server, client, spec)
+        spec = dataclasses.replace(spec, iteration_s=step)
 
     sweeps = [_PolicySweep(policy, spec, slo) for policy in spec.policies]
     runs: list[dict[str, Any]] = []
@@ -383,6 +410,14 @@ def _warm_up(lc: LoadClient, n: int) -> None:
         wait_idle(lc.cfg)
 
 
+def _measure_decode_step(server: ServerSpec | None, client: ClientConfig, spec: BenchSpec) -> float:
+    """A lone request's decode step (s) on the first policy's server, after its warm-up."""
+    with _server_url(server, client, spec.policies[0], None) as url:
+        lc = LoadClient(dataclasses.replace(client, base_url=url))
+        _warm_up(lc, spec.warmup_requests)
+        return lc.measure_decode_step()
+
+
 def _one_point(spec: BenchSpec, lc: LoadClient, policy: str, x: float, slo: SLO, cache: DatasetCache,
                tick: ProgressFn) -> dict[str, Any]:
     rate = x if spec.sweep == "rate" else None
@@ -398,12 +433,16 @@ def _one_point(spec: BenchSpec, lc: LoadClient, policy: str, x: float, slo: SLO,
         done += 1
         tick(desc, done, total)
 
-    result = LoadClient(point_cfg).run(requests, followups, progress=on_record)
+    result = LoadClient(point_cfg).run(requests, followups, progress=on_record, priority=spec.priority,
+                                       iteration_s=spec.iteration_s)
     wait_idle(lc.cfg)  # aborted (timed-out) requests must not load the next point
     metrics = bench_metrics(result, slo, lc.cfg.metrics_prefix)
+    users = user_summary(result.records)
+    extra = {**({"per_user": users} if users else {}),
+             **({"priority_updates": result.priority_updates} if result.priority_updates else {})}
     return run_entry(policy, None, rate, metrics, cv=spec.cv if rate else None, num_requests=len(result.records),
                      seed=spec.seed, concurrency=int(x) if spec.sweep == "concurrency" else point_cfg.max_concurrency,
-                     server_counters=result.server_counters, per_request=compact_records(result.records))
+                     server_counters=result.server_counters, per_request=compact_records(result.records), **extra)
 
 
 def bench_summary(runs: Sequence[Mapping[str, Any]], spec: BenchSpec, slo: SLO,

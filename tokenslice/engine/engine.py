@@ -54,6 +54,20 @@ class TraceItem(Protocol):
     output_len: int
 
 
+class PriorityUpdates(Protocol):
+    """Priority changes during a trace replay (FastSwitch §4's patterns; bench.workloads has one).
+
+    `initial(item)` is a request's priority at arrival; every `period` engine steps (1/f),
+    `at_iteration(steps so far, live request ids)` returns the new priority of each request to change.
+    """
+
+    period: int
+
+    def initial(self, item: Any) -> int: ...
+
+    def at_iteration(self, iteration: int, live_request_ids: list[str]) -> dict[str, int]: ...
+
+
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, *, tokenizer: Any | None,
                  clock: RealClock | VirtualClock, max_model_len: int, vocab_size: int,
@@ -250,17 +264,19 @@ class Engine:
                 outputs.append(self._output(req, []))
         return outputs
 
-    def _advance(self, horizon: float = float("inf")) -> tuple[list[Request], list[Request]]:
+    def _advance(self, horizon: float = float("inf"), max_steps: int | None = None
+                 ) -> tuple[list[Request], list[Request]]:
         """schedule -> execute -> update; returns (requests with a new token, requests finished).
 
         With fast_forward (simulator), a decode-only batch then repeats in bulk until the next
-        event: a finish, a policy change, KV growth that no longer fits, or `horizon` (the
-        next arrival). `produced` then lists each request once."""
+        event: a finish, a policy change, KV growth that no longer fits, `horizon` (the next
+        arrival) or `max_steps` steps (the next priority update). `produced` then lists each
+        request once."""
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(self.clock.now())
         t1 = time.perf_counter()
         if self.fast_forward and self.clock.now() < horizon:
-            ran = self._repeat(plan, horizon)
+            ran = self._repeat(plan, horizon, max_steps)
             if ran is not None:
                 finished = self.scheduler.take_finished()
                 self.timings.schedule_s += t1 - t0
@@ -288,16 +304,17 @@ class Engine:
         self.timings.update_s += t3 - t2
         return produced, finished
 
-    def _repeat(self, plan: StepPlan, horizon: float) -> list[Request] | None:
+    def _repeat(self, plan: StepPlan, horizon: float, max_steps: int | None = None) -> list[Request] | None:
         """Run a just-scheduled decode-only plan for as many steps as it provably stays the
-        plan (at least 2), in bulk; None when that is not the case."""
+        plan (at least 2, at most `max_steps`), in bulk; None when that is not the case."""
         sched, sim = self.scheduler, self.executor
         if not isinstance(sim, SimulatedExecutor):
             raise TypeError("fast_forward needs the simulator's executor (Engine.simulated)")
         reqs = sched.repeatable_steps(plan)
         if not reqs:
             return None
-        k = sched.max_repeat(reqs, self.max_fast_forward_steps)
+        cap = self.max_fast_forward_steps if max_steps is None else min(self.max_fast_forward_steps, max_steps)
+        k = sched.max_repeat(reqs, cap)
         if k < 2:
             return None
         # Grow the window in doubling chunks: most runs end early (an arrival, a demotion), and
@@ -332,7 +349,8 @@ class Engine:
         return RequestOutput(req.request_id, new_ids, det.delta(done) if det else "", done,
                              req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, req.metrics)
 
-    def replay(self, trace: list[TraceItem], *, on_finish: Any = None) -> list[Request]:
+    def replay(self, trace: list[TraceItem], *, on_finish: Any = None,
+               priority_updates: PriorityUpdates | None = None) -> list[Request]:
         """Run a workload trace: each request arrives at its time (clock-relative to the start)
         and generates exactly its output length, then stops as at an EOS (`Request.eos_after`);
         max_tokens is the context left, as a client that does not know the answer's length sends.
@@ -340,12 +358,22 @@ class Engine:
 
         On a VirtualClock idle gaps are skipped; on a real clock the loop sleeps until the next
         arrival. `on_finish(req)` is called as each request finishes.
+
+        `priority_updates` (FastSwitch §4) sets each request's priority at arrival, and after every
+        `period` engine steps changes the live requests' priorities with `set_priority` before the
+        next step; a fast-forwarded window ends at each update point, so the result is the same
+        with fast_forward on or off.
         """
         items = sorted(trace, key=lambda t: t.arrival_time)
         start = self.clock.now()
         reqs: dict[str, Request] = {}
-        # A trace's priority labels drive only policies that use them; the others replay it unlabelled.
+        # A trace's priority labels and updates drive only policies that use them; the others
+        # replay it unprioritized (a sweep compares them on the same trace).
+        if not self.scheduler.policy.uses_priority:
+            priority_updates = None
         prioritized = self.scheduler.policy.uses_priority
+        period = priority_updates.period if priority_updates is not None else 0
+        next_update = period
         i = 0
         while i < len(items) or self.has_unfinished():
             now = self.clock.now()
@@ -354,7 +382,10 @@ class Engine:
                 ids = getattr(item, "prompt_token_ids", None) or [0] * max(1, item.prompt_len)
                 params = SamplingParams(max_tokens=max(1, self.max_model_len - len(ids)), temperature=0.0,
                                         ignore_eos=True)
-                priority = (getattr(item, "priority", 0) or 0) if prioritized else 0
+                if priority_updates is not None:
+                    priority = priority_updates.initial(item)
+                else:
+                    priority = (getattr(item, "priority", 0) or 0) if prioritized else 0
                 reqs[item.request_id] = self.add_request(
                     ids, params, request_id=item.request_id, arrival_time=start + item.arrival_time,
                     user=getattr(item, "user", None), priority=priority,
@@ -365,8 +396,14 @@ class Engine:
             if not self.has_unfinished():
                 self._wait_until(start + items[i].arrival_time)
                 continue
+            if priority_updates is not None and self.num_steps >= next_update:
+                changes = priority_updates.at_iteration(self.num_steps, list(self.scheduler.requests))
+                for rid, priority in changes.items():
+                    self.set_priority(rid, priority)
+                next_update = (self.num_steps // period + 1) * period
             horizon = start + items[i].arrival_time if i < len(items) else float("inf")
-            _, finished = self._advance(horizon)
+            max_steps = next_update - self.num_steps if period else None
+            _, finished = self._advance(horizon, max_steps)
             for req in finished:
                 self._detok.pop(req.request_id, None)
                 if on_finish is not None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -147,9 +147,18 @@ HARDWARE_SPECS: dict[str, HardwareSpec] = {
                          host_link_bandwidth=12e9, memory_bytes=32e9, interconnect_bandwidth=150e9),
     "a10": HardwareSpec("a10", matmul_flops=125e12, memory_bandwidth=0.6e12,
                         host_link_bandwidth=25e9, memory_bytes=24e9, interconnect_bandwidth=25e9),
+    # FastSwitch's single-GPU setting (§4): an A10 on PCIe 4.0 x16 taken at its 32 GB/s peak, with
+    # 10 us per copy call, the cost block groups amortise (FastSwitch §3.1).
+    "a10-24gb": HardwareSpec("a10-24gb", matmul_flops=125e12, memory_bandwidth=0.6e12,
+                             host_link_bandwidth=32e9, memory_bytes=24e9, interconnect_bandwidth=25e9,
+                             transfer_op_overhead_s=10e-6),
 }
 
-# Public Hugging Face configs (OPT: facebook/opt-*, Llama: meta-llama/*).
+_LLAMA_3_8B = ModelSpec("llama-3-8b", num_params=8.03e9, num_layers=32, hidden_size=4096, num_heads=32,
+                        num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                        gated_mlp=True, tied_embeddings=False)
+
+# Public Hugging Face configs (OPT: facebook/opt-*, Llama: meta-llama/*, Qwen: Qwen/Qwen2.5-*).
 MODEL_SPECS: dict[str, ModelSpec] = {
     "opt-13b": ModelSpec("opt-13b", num_params=12.85e9, num_layers=40, hidden_size=5120, num_heads=40,
                          num_kv_heads=40, head_dim=128, intermediate_size=20480, vocab_size=50272),
@@ -163,9 +172,12 @@ MODEL_SPECS: dict[str, ModelSpec] = {
     "llama-2-13b": ModelSpec("llama-2-13b", num_params=13.0e9, num_layers=40, hidden_size=5120, num_heads=40,
                              num_kv_heads=40, head_dim=128, intermediate_size=13824, vocab_size=32000,
                              gated_mlp=True, tied_embeddings=False),
-    "llama-3-8b": ModelSpec("llama-3-8b", num_params=8.03e9, num_layers=32, hidden_size=4096, num_heads=32,
-                            num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
-                            gated_mlp=True, tied_embeddings=False),
+    "llama-3-8b": _LLAMA_3_8B,
+    # FastSwitch's models (§4): Llama-3-8B under the paper's name, and Qwen2.5-32B.
+    "llama-8b": replace(_LLAMA_3_8B, name="llama-8b"),
+    "qwen-32b": ModelSpec("qwen-32b", num_params=32.5e9, num_layers=64, hidden_size=5120, num_heads=40,
+                          num_kv_heads=8, head_dim=128, intermediate_size=27648, vocab_size=152064,
+                          gated_mlp=True, tied_embeddings=False),
 }
 
 # Kernels launched per decoder layer without CUDA graphs: 2 norms, qkv, rotary/cache write,
