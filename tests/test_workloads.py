@@ -343,3 +343,25 @@ def test_markov_pattern_with_stay_one_never_changes() -> None:
     reqs = _live(50)
     start = {r.request_id: gen.initial(r) for r in reqs}
     assert gen.at_iteration(10, list(start)) == start
+
+
+def test_user_shares_make_one_heavy_user() -> None:
+    from tokenslice.bench.workloads import parse_user_shares
+
+    wl = make_workload("synthetic-fixed", num_requests=2600, rate=10.0, seed=3, user_shares=parse_user_shares("10,1,1,1"))
+    counts = {u: sum(1 for r in wl if r.user == u) for u in {r.user for r in wl}}
+    assert set(counts) == {"user-0", "user-1", "user-2", "user-3"}
+    assert 1800 < counts["user-0"] < 2200  # 10/13 of 2,600 = 2,000
+    assert all(100 < counts[u] < 300 for u in ("user-1", "user-2", "user-3"))  # 200 each
+    # Same seed, same labels; the lengths and arrivals do not depend on the users.
+    again = make_workload("synthetic-fixed", num_requests=2600, rate=10.0, seed=3, user_shares=[10, 1, 1, 1])
+    assert [r.user for r in again] == [r.user for r in wl]
+    plain = make_workload("synthetic-fixed", num_requests=2600, rate=10.0, seed=3)
+    assert [r.arrival_time for r in plain] == [r.arrival_time for r in wl]
+    for bad in ([], [1, 0], [1, float("nan")]):
+        with pytest.raises(ValueError, match="positive"):
+            make_workload("synthetic-fixed", num_requests=5, user_shares=bad)
+    with pytest.raises(ValueError, match="2 user shares for 3 users"):
+        make_workload("synthetic-fixed", num_requests=5, user_shares=[2, 1], num_users=3)
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_user_shares("10,x")

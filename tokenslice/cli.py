@@ -128,6 +128,9 @@ def _add_scheduler_tuning_args(p: argparse.ArgumentParser, cls: type) -> None:
 def add_priority_flags(p: argparse.ArgumentParser, cls: type) -> None:
     """Users and FastSwitch §4's priority patterns, for `simulate` (SweepSpec) and `bench` (BenchSpec)."""
     add_field_flag(p, cls, "num_users", help="spread requests uniformly over this many users (fairness metrics)")
+    add_field_flag(p, cls, "user_shares", metavar="S1,S2,...",
+                   help="draw each request's user by these shares instead (10,1,1,1: one user sends 10x each "
+                        "other's rate)")
     add_field_flag(p, cls, "priority_pattern", help="give requests priorities from this pattern at arrival and "
                    "change the live ones' every 1/f iterations (FastSwitch §4; default: no priorities)")
     add_field_flag(p, cls, "priority_update_freq", metavar="F",
@@ -279,7 +282,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         max_prompt_len=a.max_prompt_len, length_filter=a.length_filter, input_len=a.input_len,
         output_len=a.output_len, min_len=a.min_len, max_len=a.max_len, slo=slo, slo_auto=slo_auto,
         slo_attainment=a.slo_attainment, early_stop_factor=a.early_stop_factor or None, warmup_requests=a.warmup,
-        interleave=a.interleave, num_users=a.num_users, priority_pattern=a.priority_pattern,
+        interleave=a.interleave, num_users=a.num_users, user_shares=a.user_shares,
+        priority_pattern=a.priority_pattern,
         priority_update_freq=a.priority_update_freq, priority_levels=a.priority_levels, iteration_s=a.iteration_s)
     send_length = {"auto": a.model is not None, "on": True, "off": False}[a.expected_length]
     client = ClientConfig(base_url=a.url or "", model=a.served_model, api_key=a.api_key, endpoint=a.endpoint,

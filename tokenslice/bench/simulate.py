@@ -27,7 +27,7 @@ import numpy as np
 from tokenslice.bench.metrics import SLO, RequestRecord, max_rate_detail, results_file, run_entry, run_key, \
     summarize, sweep_summary, user_summary
 from tokenslice.bench.workloads import PRIORITY_PATTERNS, DatasetCache, PriorityPattern, PriorityUpdates, \
-    WorkloadRequest, make_workload, workload_stats
+    WorkloadRequest, check_user_shares, make_workload, parse_user_shares, workload_stats
 from tokenslice.config import CacheConfig, SchedulerConfig, field_from
 from tokenslice.predict.cost import CostModel
 from tokenslice.request import Request
@@ -92,6 +92,7 @@ class SweepSpec:
     # ones the workload draws, or the predictions leak the outputs.
     length_predictor: str | None = None
     num_users: int | None = None  # requests spread uniformly over this many users (fairness metrics)
+    user_shares: str | None = None  # "10,1,1,1": each request's user drawn by these shares (one heavy user)
     # FastSwitch §4: priorities from a pattern, at arrival and every 1/f steps (None: no updates).
     priority_pattern: str | None = field(default=None, metadata={"choices": PRIORITY_PATTERNS})
     priority_update_freq: float = field_from(PriorityPattern, "update_freq")
@@ -116,6 +117,8 @@ class SweepSpec:
                              "`tokenslice predictor build`")
         if self.num_users is not None and self.num_users < 1:
             raise ValueError(f"num_users must be >= 1, got {self.num_users}")
+        if self.user_shares is not None:
+            check_user_shares(parse_user_shares(self.user_shares), self.num_users)
         pattern = self.priority(0)
         if pattern is not None:
             pattern.validate()
@@ -147,7 +150,8 @@ class SweepSpec:
         reqs = make_workload(self.workload, num_requests=self.num_requests, rate=rate, cv=self.cv, seed=seed,
                              dataset=self.dataset, tokenizer=self.tokenizer, io_ratio=self.io_ratio,
                              length_filter=self.length_filter, max_tokens_cap=self.max_tokens_cap,
-                             max_prompt_len=self.max_prompt_len, num_users=self.num_users, cache=cache)
+                             max_prompt_len=self.max_prompt_len, num_users=self.num_users,
+                             user_shares=parse_user_shares(self.user_shares) if self.user_shares else None, cache=cache)
         return predict_lengths(reqs, self.length_predictor) if self.length_predictor else reqs
 
 
@@ -394,7 +398,7 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                 "rates": spec.rates, "loads": spec.loads, "io_ratio": spec.io_ratio,
                 "length_filter": spec.length_filter, "max_tokens_cap": spec.max_tokens_cap,
                 "max_prompt_len": spec.max_prompt_len, "length_predictor": spec.length_predictor,
-                "num_users": spec.num_users, "priority_pattern": spec.priority_pattern,
+                "num_users": spec.num_users, "user_shares": spec.user_shares, "priority_pattern": spec.priority_pattern,
                 "priority_update_freq": spec.priority_update_freq if spec.priority_pattern else None,
                 "priority_levels": spec.priority_levels if spec.priority_pattern else None,
                 "prompt_mean": stats.get("prompt_mean"),

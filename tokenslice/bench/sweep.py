@@ -39,7 +39,7 @@ from tokenslice.bench.metrics import COUNTER_KEYS, SLO, max_rate_detail, results
     user_summary
 from tokenslice.bench.simulate import per_request_data
 from tokenslice.bench.workloads import PRIORITY_PATTERNS, DatasetCache, PriorityPattern, WorkloadRequest, \
-    make_workload, resolve_dataset, workload_stats
+    check_user_shares, make_workload, parse_user_shares, resolve_dataset, workload_stats
 from tokenslice.config import field_from
 
 SLO_DECODE_FACTOR = 10  # the paper protocol: SLO = 10x the decode iteration time
@@ -75,6 +75,7 @@ class BenchSpec:
     interleave: bool = False  # all servers at once, policies taking turns at each point (drift hits all alike)
     warmup_requests: int = 4
     num_users: int | None = None  # requests spread uniformly over this many users (fairness metrics)
+    user_shares: str | None = None  # "10,1,1,1": each request's user drawn by these shares (one heavy user)
     # FastSwitch §4: priorities from a pattern, sent at arrival and updated every 1/f iterations,
     # an iteration being `iteration_s` seconds (None: a lone request's decode step, measured).
     priority_pattern: str | None = field(default=None, metadata={"choices": PRIORITY_PATTERNS})
@@ -98,6 +99,8 @@ class BenchSpec:
             raise ValueError(f"early_stop_factor must be >= 1, got {self.early_stop_factor}")
         if self.num_users is not None and self.num_users < 1:
             raise ValueError(f"num_users must be >= 1, got {self.num_users}")
+        if self.user_shares is not None:
+            check_user_shares(parse_user_shares(self.user_shares), self.num_users)
         if self.iteration_s is not None and not self.iteration_s > 0:
             raise ValueError(f"iteration_s must be positive, got {self.iteration_s}")
         if self.priority is not None:
@@ -124,6 +127,7 @@ class BenchSpec:
                              max_prompt_len=self.max_prompt_len, length_filter=self.length_filter,
                              input_len=self.input_len, output_len=self.output_len, min_len=self.min_len,
                              max_len=self.max_len, zipf_theta=self.zipf_theta, num_users=self.num_users,
+                             user_shares=parse_user_shares(self.user_shares) if self.user_shares else None,
                              cache=cache)
 
     def followups(self, requests: Sequence[WorkloadRequest], cache: DatasetCache) -> dict[str, list[WorkloadRequest]]:

@@ -350,6 +350,23 @@ def resolve_dataset(kind: str, dataset: str | Path | None) -> Path:
 
 # ---------------------------------------------------------------- the workload
 
+def parse_user_shares(text: str) -> list[float]:
+    """"10,1,1,1" -> [10.0, 1.0, 1.0, 1.0] (--user-shares)."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"user shares must be comma-separated numbers, got {text!r}") from None
+
+
+def check_user_shares(shares: Sequence[float], num_users: int | None) -> np.ndarray:
+    out = np.asarray(shares, dtype=np.float64)
+    if len(out) == 0 or not np.all(np.isfinite(out)) or np.any(out <= 0):
+        raise ValueError(f"user shares must be positive numbers, got {list(shares)}")
+    if num_users is not None and num_users != len(out):
+        raise ValueError(f"{len(out)} user shares for {num_users} users")
+    return out
+
+
 def make_workload(name: str, *, num_requests: int, rate: float | None = None, cv: float = 1.0, seed: int = 0,
                   dataset: str | Path | None = None, tokenizer: str | Path | None = None,
                   max_tokens_cap: int | None = None, max_prompt_len: int | None = None,
@@ -358,6 +375,7 @@ def make_workload(name: str, *, num_requests: int, rate: float | None = None, cv
                   min_len: int = 1, max_len: int = 2048,
                   input_dist: LengthDist | None = None, output_dist: LengthDist | None = None,
                   num_users: int | None = None, num_priorities: int | None = None,
+                  user_shares: Sequence[float] | None = None,
                   cache: DatasetCache | None = None) -> list[WorkloadRequest]:
     """Build a workload by name (WORKLOAD_NAMES), deterministic from `seed`.
 
@@ -373,6 +391,10 @@ def make_workload(name: str, *, num_requests: int, rate: float | None = None, cv
     (max_prompt_len truncates prompts, max_tokens_cap caps outputs). Arrivals, request choice,
     lengths and user/priority labels use independent streams spawned from `seed`, so e.g. the
     arrival times at a seed are the same for every workload of the same size and rate.
+
+    Users: `num_users` spreads requests uniformly; `user_shares` (e.g. [10, 1, 1, 1]: one heavy
+    user with 10x each other's rate) draws each request's user with probability proportional to
+    its share.
     """
     if name not in WORKLOAD_NAMES:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOAD_NAMES)}")
@@ -418,7 +440,11 @@ def make_workload(name: str, *, num_requests: int, rate: float | None = None, cv
     o_lens = np.maximum(o_lens, 1)
 
     arrivals = arrival_times(num_requests, rate, cv, rng_arrive)
-    users = rng_label.integers(num_users, size=num_requests) if num_users else None
+    if user_shares is not None:
+        shares = check_user_shares(user_shares, num_users)
+        users = rng_label.choice(len(shares), size=num_requests, p=shares / shares.sum())
+    else:
+        users = rng_label.integers(num_users, size=num_requests) if num_users else None
     prios = rng_label.integers(num_priorities, size=num_requests) if num_priorities else None
 
     out = []
