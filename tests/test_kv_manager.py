@@ -426,3 +426,93 @@ def test_long_lifecycles(block_size: int, device: int, host: int, contiguous: bo
         m.blocks_owned_once_never_leaked()
         m.residency_and_readiness()
     m.teardown()
+
+
+# ---- prefix caching: shared blocks never leak, double-own or get handed out while held ----------
+_BASES = [[(7 * b + 3 * i) % 5 for i in range(64)] for b in range(2)]  # few tokens: prefixes repeat
+_SHARE_OPS = ["arrive", "arrive", "grow", "compute", "compute", "swap_out", "swap_in", "async_out",
+              "async_in", "end", "drop", "free"]
+
+
+def _fresh(kv: KVManager, pool: BlockPool, blocks: list[int], others: dict[str, list[int]]) -> None:
+    """Blocks just allocated: held once, in no other table."""
+    held = {b for t in others.values() for b in t}
+    assert all(pool.ref_count(b) == 1 and b not in held for b in blocks)
+
+
+@settings(max_examples=200, deadline=None)
+@given(block_size=st.integers(1, 4), device=st.integers(4, 24), host=st.integers(0, 16),
+       contiguous=st.booleans(),
+       ops=st.lists(st.tuples(st.sampled_from(_SHARE_OPS), st.sampled_from(IDS), st.integers(0, 1),
+                              st.integers(1, 20)), min_size=10, max_size=80))
+def test_random_operations_with_sharing(block_size: int, device: int, host: int, contiguous: bool,
+                                        ops: list[tuple[str, str, int, int]]) -> None:
+    kv = KVManager(block_size, device, host, contiguous=contiguous, prefix_caching=True)
+    base: dict[str, list[int]] = {}
+    tokens: dict[str, int] = {}  # tokens of KV kept (device or host)
+
+    def src(rid: str):
+        return lambda s, e: base[rid][s:e]
+
+    for op, rid, b, n in ops:
+        ready = kv.is_ready(rid)
+        if op == "arrive" and kv.residency(rid) == "none" and not kv.in_flight(rid):
+            base[rid] = _BASES[b]
+            hit = kv.attach_prefix(rid, min(n + hit_room(block_size), 64), src(rid))
+            target = min(n + hit_room(block_size), 64)
+            assert hit.num_tokens < target and hit.num_tokens % block_size == 0
+            shared = list(kv.block_table(rid))
+            assert all(kv.device.is_cached(x) for x in shared)
+            event(f"arrival reusing {min(len(shared), 2)}{'+' if len(shared) >= 2 else ''} cached blocks")
+            if kv.blocks_needed(rid, target) > kv.num_free_device_blocks:
+                kv.detach_prefix(rid)
+                assert kv.residency(rid) == "none"
+            else:
+                others = {r: t for r, t in kv.owners().items() if r != rid}
+                _fresh(kv, kv.device, kv.ensure(rid, target), others)
+                tokens[rid] = target
+                if n % 2:  # its prefill ran: the full blocks are cached
+                    kv.cache_computed(rid, target, src(rid))
+        elif op == "grow" and ready and kv.residency(rid) == "device":
+            target = min(tokens[rid] + n, 64)
+            if kv.blocks_needed(rid, target) <= kv.num_free_device_blocks:
+                others = {r: t for r, t in kv.owners().items() if r != rid}
+                _fresh(kv, kv.device, kv.ensure(rid, target), others)
+                tokens[rid] = target
+        elif op == "compute" and ready and kv.residency(rid) == "device":
+            kv.cache_computed(rid, tokens[rid], src(rid))
+        elif op in ("swap_out", "async_out") and kv.can_swap_out(rid):
+            if op == "async_out" and not kv.in_flight(rid):
+                kv.begin_transfer(rid)
+            kv.swap_out(rid)
+        elif op in ("swap_in", "async_in") and kv.can_swap_in(rid):
+            if op == "async_in" and not kv.in_flight(rid):
+                kv.begin_transfer(rid)
+            others = {r: t for r, t in kv.owners().items() if r != rid}
+            kv.swap_in(rid)
+            _fresh(kv, kv.device, kv.block_table(rid), others)
+        elif op == "end" and kv.in_flight(rid):
+            kv.end_transfer(rid)
+        elif op == "drop" and not kv.in_flight(rid):
+            kv.drop(rid)
+            tokens.pop(rid, None)
+        elif op == "free":
+            kv.free(rid)
+            tokens.pop(rid, None)
+        kv.check()
+        if op in ("swap_in", "swap_out"):
+            kv.end_plan()
+            kv.check()
+    for rid in IDS:
+        if kv.in_flight(rid):
+            kv.end_transfer(rid)
+        kv.free(rid)
+    kv.end_plan()
+    kv.check()
+    for pool in (kv.device, kv.host):
+        assert pool.num_free == pool.num_blocks and pool.num_used == 0
+
+
+def hit_room(block_size: int) -> int:
+    """Requests are at least two blocks long, so that cached prefixes are found."""
+    return 2 * block_size

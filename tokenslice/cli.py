@@ -91,6 +91,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(CacheConfig, "swap_space_gb", help="host memory for swapped-out KV (reactive-swap / proactive-swap)")
     flag(CacheConfig, "host_kv_blocks", help="host KV blocks (overrides --swap-space-gb)")
     flag(CacheConfig, "offload_dtype", help="int8: per-channel int8 KV on host, dequantized on upload")
+    flag(CacheConfig, "enable_prefix_caching", action=argparse.BooleanOptionalAction,
+         help="reuse cached KV of shared prompt prefixes (on by default)")
     flag(SchedulerConfig, "policy", choices=list(POLICY_NAMES))
     flag(SchedulerConfig, "preemption")
     flag(SchedulerConfig, "max_batch_size")

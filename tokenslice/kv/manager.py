@@ -28,7 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from collections import Counter
+
 from tokenslice.kv.blocks import BlockPool, OutOfBlocksError
+from tokenslice.kv.prefix import PrefixCache, TokenSource, extend_hashes
 
 Residency = Literal["device", "host", "none"]
 
@@ -42,9 +45,18 @@ class _Transfer:
     held_host: list[int] = field(default_factory=list)
 
 
+@dataclass
+class PrefixHit:
+    """A new request's cached prefix: full blocks found on device, then on host."""
+
+    device_blocks: int = 0
+    host_blocks: int = 0
+    num_tokens: int = 0
+
+
 class KVManager:
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0, *,
-                 contiguous: bool = False) -> None:
+                 contiguous: bool = False, prefix_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -55,6 +67,9 @@ class KVManager:
         self._host_tables: dict[str, list[int]] = {}  # host blocks per request (never empty)
         self._transfers: dict[str, _Transfer] = {}
         self._plan_held_host: list[int] = []  # sources of this plan's sync swap-ins (end_plan frees)
+        self.prefix = PrefixCache(self.device) if prefix_caching else None
+        self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
+        self._num_cached: dict[str, int] = {}  # leading table blocks already offered to the cache
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -119,7 +134,13 @@ class KVManager:
 
     def free(self, request_id: str) -> int:
         """Release every block of the request on both tiers; returns how many were released
-        now (0 while a transfer window is open: end_transfer releases them)."""
+        now (0 while a transfer window is open: end_transfer releases them). Cached blocks stay
+        in the prefix cache."""
+        self._hashes.pop(request_id, None)
+        return self._release(request_id)
+
+    def _release(self, request_id: str) -> int:
+        self._num_cached.pop(request_id, None)
         device = self._tables.pop(request_id, None)
         host = self._host_tables.pop(request_id, None)
         t = self._transfers.get(request_id)
@@ -134,9 +155,58 @@ class KVManager:
         return len(device or ()) + len(host or ())
 
     def drop(self, request_id: str) -> int:
-        """Discard the request's KV on both tiers; it stays live and recomputes (same
-        bookkeeping as free; the name says why at call sites)."""
-        return self.free(request_id)
+        """Discard the request's KV on both tiers; it stays live and recomputes (free's
+        bookkeeping; its block hashes are kept: its tokens do not change)."""
+        return self._release(request_id)
+
+    # ---- prefix caching ---------------------------------------------------------------------
+    def attach_prefix(self, request_id: str, num_tokens: int, tokens: TokenSource) -> PrefixHit:
+        """Start a request that holds no KV with its longest cached prefix of full blocks, at
+        least one of its `num_tokens` tokens left to compute (it must produce logits, as vLLM)."""
+        if self.prefix is None:
+            return PrefixHit()
+        if request_id in self._tables or request_id in self._host_tables or request_id in self._transfers:
+            raise ValueError(f"attach_prefix({request_id!r}): it already has KV")
+        hashes = extend_hashes(self._hashes.setdefault(request_id, []), tokens, num_tokens, self.block_size)
+        limit = (num_tokens - 1) // self.block_size
+        device = self.prefix.match(hashes[:limit])
+        for b in device:
+            self.device.share(b)
+        if device:
+            self._tables[request_id] = list(device)
+            self._num_cached[request_id] = len(device)
+        return PrefixHit(len(device), 0, len(device) * self.block_size)
+
+    def detach_prefix(self, request_id: str) -> None:
+        """The request could not start after attach_prefix: give its shared blocks back."""
+        self._release(request_id)
+
+    def cache_computed(self, request_id: str, num_computed: int, tokens: TokenSource) -> None:
+        """Cache the request's full device blocks among its first `num_computed` tokens (their
+        KV is written); a hash already cached under another block keeps that block."""
+        if self.prefix is None:
+            return
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        full = min(num_computed // self.block_size, len(table))
+        done = self._num_cached.get(request_id, 0)
+        if full <= done:
+            return
+        hashes = extend_hashes(self._hashes.setdefault(request_id, []), tokens, full * self.block_size,
+                               self.block_size)
+        for i in range(done, full):
+            self.prefix.insert(hashes[i], table[i])
+        self._num_cached[request_id] = full
+
+    def reclaimable(self, request_ids: list[str]) -> int:
+        """Device blocks that become allocatable once these requests' KV leaves the device
+        (blocks shared with other tables stay)."""
+        if self.prefix is None:
+            return sum(len(self._tables.get(rid, ())) for rid in request_ids)
+        refs = Counter(b for rid in request_ids for b in self._tables.get(rid, ()))
+        cached = self.device.is_cached
+        return sum(1 for b, n in refs.items() if self.device.ref_count(b) - n - cached(b) == 0)
 
     # ---- swapping ---------------------------------------------------------------------------
     def can_swap_out(self, request_id: str) -> bool:
@@ -170,6 +240,7 @@ class KVManager:
             raise OutOfBlocksError(f"{op}({request_id!r}) needs {len(table)} {other} blocks, "
                                    f"{dst.num_free} free; check can_{op} first")
         new = dst.allocate(len(table))
+        self._num_cached.pop(request_id, None)  # a new table: its blocks are offered again
         del src_tables[request_id]
         dst_tables[request_id] = new
         self._release_source(request_id, src, table)
@@ -244,19 +315,27 @@ class KVManager:
         return {rid: (list(t.held_device), list(t.held_host)) for rid, t in self._transfers.items()}
 
     def check(self) -> None:
-        """Raise AssertionError unless every block is free or owned exactly once, per tier."""
-        for name, pool, tables, idx in (("device", self.device, self._tables, 0),
-                                        ("host", self.host, self._host_tables, 1)):
-            owned = [b for t in tables.values() for b in t]
-            owned += [b for held in self.held().values() for b in held[idx]]
+        """Raise AssertionError unless, per tier, every block's reference count is the number of
+        its holders (tables, open windows, this plan's held sources, the prefix cache), and a
+        block in more than one place is a cached one (shared prefix); no table is empty."""
+        caches = (self.prefix, None)
+        for name, pool, tables, idx, cache in (("device", self.device, self._tables, 0, caches[0]),
+                                               ("host", self.host, self._host_tables, 1, caches[1])):
+            refs = Counter(b for t in tables.values() for b in t)
+            refs.update(b for held in self.held().values() for b in held[idx])
             if idx == 1:
-                owned += self._plan_held_host
-            if len(owned) != len(set(owned)):
-                raise AssertionError(f"{name}: a block is owned twice")
-            if len(owned) != pool.num_used:
-                raise AssertionError(f"{name}: {len(owned)} owned but {pool.num_used} used (leak)")
-            if any(pool.ref_count(b) != 1 for b in owned):
-                raise AssertionError(f"{name}: an owned block has a reference count other than 1")
+                refs.update(self._plan_held_host)
+            cached = cache.blocks() if cache is not None else set()
+            for b, n in refs.items():
+                if n > 1 and b not in cached:
+                    raise AssertionError(f"{name}: block {b} is owned twice")
+            refs.update(cached)
+            if any(pool.ref_count(b) != refs.get(b, 0) for b in range(pool.num_blocks)):
+                raise AssertionError(f"{name}: a reference count differs from the block's holders (leak)")
+            evictable = sum(1 for b in cached if refs[b] == 1)
+            if pool.num_evictable != evictable or pool.num_used != len(refs) - evictable:
+                raise AssertionError(f"{name}: {len(refs)} held, {evictable} evictable, "
+                                     f"but {pool.num_used} used (leak)")
             if any(not t for t in tables.values()):
                 raise AssertionError(f"{name}: an empty table")
         both = self._tables.keys() & self._host_tables.keys()

@@ -73,7 +73,7 @@ class Recompute:
             if len(unprotected) < len(victims):
                 self.protection_blocked = True
                 victims = unprotected
-        freeable = kv.num_free_device_blocks + sum(kv.num_device_blocks(r.request_id) for r in victims)
+        freeable = kv.num_free_device_blocks + kv.reclaimable([r.request_id for r in victims])
         if freeable < need:
             return False
         for victim in victims:
