@@ -431,16 +431,16 @@ def test_long_lifecycles(block_size: int, device: int, host: int, contiguous: bo
 # ---- prefix caching: shared blocks never leak, double-own or get handed out while held ----------
 _BASES = [[(7 * b + 3 * i) % 5 for i in range(64)] for b in range(2)]  # few tokens: prefixes repeat
 _SHARE_OPS = ["arrive", "arrive", "grow", "compute", "compute", "swap_out", "swap_in", "async_out",
-              "async_in", "end", "drop", "free"]
+              "async_in", "end", "drop", "free", "flush"]
 
 
 def _fresh(kv: KVManager, pool: BlockPool, blocks: list[int], others: dict[str, list[int]]) -> None:
-    """Blocks just allocated: held once, in no other table."""
+    """Blocks just allocated: held once (and maybe cached as copies), in no other table."""
     held = {b for t in others.values() for b in t}
-    assert all(pool.ref_count(b) == 1 and b not in held for b in blocks)
+    assert all(pool.ref_count(b) == 1 + pool.is_cached(b) and b not in held for b in blocks)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(block_size=st.integers(1, 4), device=st.integers(4, 24), host=st.integers(0, 16),
        contiguous=st.booleans(),
        ops=st.lists(st.tuples(st.sampled_from(_SHARE_OPS), st.sampled_from(IDS), st.integers(0, 1),
@@ -464,12 +464,19 @@ def test_random_operations_with_sharing(block_size: int, device: int, host: int,
             shared = list(kv.block_table(rid))
             assert all(kv.device.is_cached(x) for x in shared)
             event(f"arrival reusing {min(len(shared), 2)}{'+' if len(shared) >= 2 else ''} cached blocks")
+            if hit.host_blocks:
+                event("arrival reusing host blocks")
             if kv.blocks_needed(rid, target) > kv.num_free_device_blocks:
                 kv.detach_prefix(rid)
                 assert kv.residency(rid) == "none"
             else:
                 others = {r: t for r, t in kv.owners().items() if r != rid}
-                _fresh(kv, kv.device, kv.ensure(rid, target), others)
+                pairs = kv.load_host_prefix(rid)  # its prefix found on host: copied in this plan
+                assert len(pairs) == hit.host_blocks
+                assert all(kv.host.is_cached(h) and kv.host.ref_count(h) >= 2 for h, _ in pairs)
+                _fresh(kv, kv.device, [d for _, d in pairs] + kv.ensure(rid, target), others)
+                kv.check()
+                kv.end_plan()
                 tokens[rid] = target
                 if n % 2:  # its prefill ran: the full blocks are cached
                     kv.cache_computed(rid, target, src(rid))
@@ -484,13 +491,27 @@ def test_random_operations_with_sharing(block_size: int, device: int, host: int,
         elif op in ("swap_out", "async_out") and kv.can_swap_out(rid):
             if op == "async_out" and not kv.in_flight(rid):
                 kv.begin_transfer(rid)
-            kv.swap_out(rid)
+            others = {r: t for r, t in kv.host_owners().items() if r != rid}
+            n = len(kv.block_table(rid))
+            pairs = kv.swap_out(rid)
+            host_table = kv.host_blocks(rid)
+            kept = n - len(pairs)  # leading blocks whose valid host copy is reused
+            assert [h for _, h in pairs] == host_table[kept:]
+            assert all(kv.host.is_cached(h) for h in host_table[:kept])
+            _fresh(kv, kv.host, host_table[kept:], others)
+            if kept:
+                event("swap-out copies only the increment")
         elif op in ("swap_in", "async_in") and kv.can_swap_in(rid):
             if op == "async_in" and not kv.in_flight(rid):
                 kv.begin_transfer(rid)
             others = {r: t for r, t in kv.owners().items() if r != rid}
             kv.swap_in(rid)
             _fresh(kv, kv.device, kv.block_table(rid), others)
+        elif op == "flush" and kv.num_free_device_blocks:  # other work takes every free block
+            others = kv.owners()
+            _fresh(kv, kv.device, kv.ensure("filler", kv.num_free_device_blocks * block_size), others)
+            assert kv.device.num_evictable == 0 and all(kv.device.ref_count(b) > 1 for b in kv.prefix.blocks())
+            kv.free("filler")
         elif op == "end" and kv.in_flight(rid):
             kv.end_transfer(rid)
         elif op == "drop" and not kv.in_flight(rid):

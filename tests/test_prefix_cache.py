@@ -197,3 +197,94 @@ def test_metrics_export_queries_and_hits_by_tier(stories_llm) -> None:
     hits = f'tokenslice:prefix_cache_hits_total{{model_name="m",tier="device"}} {float(stats.prefix_cache_device_hits)}'
     assert hits in text and stats.prefix_cache_device_hits > 0
     assert 'tokenslice:prefix_cache_hits_total{model_name="m",tier="host"} 0.0' in text
+
+
+# ---- host tier --------------------------------------------------------------------------------
+def test_host_copy_outlives_swap_in_and_swap_out_moves_only_the_increment() -> None:
+    kv = KVManager(4, 8, 8, prefix_caching=True)
+    toks = list(range(200, 216))
+    kv.ensure("a", 14)
+    kv.cache_computed("a", 14, _source(toks))  # three full blocks computed
+    assert len(kv.swap_out("a")) == 4
+    kv.end_plan()
+    assert kv.host.num_used == 4
+    kv.swap_in("a")
+    kv.end_plan()
+    kv.check()
+    assert kv.host.num_free == 8 and kv.host.num_evictable == 3  # the computed blocks' copies stay
+    kv.ensure("a", 16)
+    pairs = kv.swap_out("a")  # the three copies are still valid: only the last block moves
+    assert len(pairs) == 1 and kv.host_blocks("a")[3] == pairs[0][1]
+    kv.end_plan()
+    kv.check()
+    kv.free("a")
+    # The device copies are evicted by other work; the prefix is found on host and copied in.
+    kv.ensure("other", 32)
+    kv.free("other")
+    hit = kv.attach_prefix("b", 16, _source(toks))
+    assert (hit.device_blocks, hit.host_blocks, hit.num_tokens) == (0, 3, 12)
+    pairs = kv.load_host_prefix("b")
+    assert len(pairs) == 3 and [d for _, d in pairs] == kv.block_table("b")
+    kv.check()
+    kv.end_plan()
+    kv.ensure("b", 16)
+    kv.check()
+    # A host block reused for something else no longer counts as a copy (contamination).
+    kv.free("b")
+    kv.ensure("c", 32)
+    kv.free("c")  # every device copy evicted
+    kv.ensure("d", 4)
+    kv.swap_out("d")
+    kv.end_plan()
+    kv.ensure("e", 4 * 7)
+    kv.swap_out("e")  # takes the rest of the host tier: every cached host copy is evicted
+    kv.end_plan()
+    assert kv.attach_prefix("f", 16, _source(toks)).num_tokens == 0
+    kv.check()
+
+
+def _host_hit_run(path: str, preemption: str, caching: bool, **options) -> tuple[list[int], LLM]:
+    """A long request is swapped out by short ones (fixed-priority: shortest prompt first) and
+    finishes; unrelated requests then take the device pool, evicting its device copies; a
+    follow-up request with the same prefix finds it only on host."""
+    rng = random.Random(11)
+    long = [1] + [rng.randrange(3, 500) for _ in range(63)]
+    shorts = [[1] + [rng.randrange(3, 500) for _ in range(5)] for _ in range(4)]
+    fillers = [[1] + [rng.randrange(3, 500) for _ in range(70)] for _ in range(3)]
+    llm = LLM(path, policy="fixed-priority", preemption=preemption, kv_cache_blocks=10, max_batch_size=4,
+              host_kv_blocks=64, eviction_amortization=0.0, enable_prefix_caching=caching, **options)
+    eng = llm.engine
+    eng.add_request(long, GREEDY)
+    for _ in range(3):
+        eng.step()
+    for p in shorts:
+        eng.add_request(p, GREEDY)
+    while eng.has_unfinished():
+        eng.step()
+    for p in fillers:
+        llm.generate([p], GREEDY)
+    follow = llm.generate([long + [9, 8, 7]], GREEDY)[0].token_ids
+    return follow, llm
+
+
+@pytest.mark.parametrize("preemption", ["reactive-swap", "proactive-swap"])
+def test_prefix_only_on_host_is_swapped_in_and_output_unchanged(reference, preemption):
+    path = reference[0]
+    want, off = _host_hit_run(path, preemption, caching=False)
+    off.close()
+    got, llm = _host_hit_run(path, preemption, caching=True)
+    with llm:
+        stats = llm.engine.scheduler.stats
+        assert stats.swap_out_bytes > 0  # the long request really was swapped out
+        assert stats.prefix_cache_host_hits >= 48 and got == want
+        kv = llm.engine.scheduler.kv
+        kv.check()
+        assert kv.host.num_used == 0 and kv.host.num_evictable > 0
+
+
+def test_host_hits_with_int8_offload(reference):
+    """Host blocks are just host blocks: an int8 host copy is dequantized on its way in."""
+    got, llm = _host_hit_run(reference[0], "reactive-swap", caching=True, offload_dtype="int8")
+    with llm:
+        assert llm.engine.scheduler.stats.prefix_cache_host_hits >= 48 and len(got) == GREEDY.max_tokens
+        llm.engine.scheduler.kv.check()

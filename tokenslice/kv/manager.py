@@ -22,13 +22,33 @@ Transfer contract
   The executor calls for `end_transfer` when the copy completed *or* it confirmed the copy was
   cancelled: either way the hardware no longer touches those blocks. Until then `r` stays in
   flight (not ready; `ensure` and swaps refuse it), so no block is ever double-owned or leaked.
+
+Prefix caching (kv/prefix.py; vLLM automatic prefix caching, FastSwitch §3.3)
+------------------------------------------------------------------------------
+With `prefix_caching=True`, full device blocks whose KV is computed are cached under their
+chained token hash as they fill (`cache_computed`); a block freed by its request stays cached
+and evictable (BlockPool). A new request starts with its longest cached prefix
+(`attach_prefix`): those blocks are shared (one reference per table, one for the cache), never
+written (only full blocks are cached; the request writes from the next block on), and
+`detach_prefix` gives them back when the request cannot start. Sharing and block groups
+coexist: shared blocks keep their place and only a request's own new blocks are placed by the
+group allocator, so a request that reuses a prefix swaps as a few more runs (its shared head
+plus its own group); evictable cached blocks stay out of the allocator until evicted.
+
+The host tier caches too (FastSwitch §3.3, SGLang HiCache), when there is one: a swapped-out
+request's full computed blocks are cached on host under the same hashes, and the host copy
+outlives the swap-in (the source is only evictable afterwards). So a request swapped out again
+copies only the blocks without a valid host copy, and a new request whose prefix continues on
+host gets those blocks copied in (`load_host_prefix`, a sync swap-in of this plan) instead of
+prefilled. A host block reused for anything else is evicted from the cache first: a copy is
+never found after its block was overwritten ("contamination"). Host copies of an async
+swap-out are cached only at end_transfer, once the copy landed (never for an aborted one).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
-
-from collections import Counter
 
 from tokenslice.kv.blocks import BlockPool, OutOfBlocksError
 from tokenslice.kv.prefix import PrefixCache, TokenSource, extend_hashes
@@ -43,6 +63,7 @@ class _Transfer:
     moved: bool = False  # one swap per window: a second would copy data still in flight
     held_device: list[int] = field(default_factory=list)  # reserved for the copy, in no table
     held_host: list[int] = field(default_factory=list)
+    host_copies: list[tuple[int, int]] = field(default_factory=list)  # (hash, host block) to cache once landed
 
 
 @dataclass
@@ -68,8 +89,11 @@ class KVManager:
         self._transfers: dict[str, _Transfer] = {}
         self._plan_held_host: list[int] = []  # sources of this plan's sync swap-ins (end_plan frees)
         self.prefix = PrefixCache(self.device) if prefix_caching else None
+        self.host_prefix = PrefixCache(self.host) if prefix_caching and num_host_blocks else None
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
         self._num_cached: dict[str, int] = {}  # leading table blocks already offered to the cache
+        self._num_full: dict[str, int] = {}  # leading blocks whose KV is computed (any tier)
+        self._pending_host: dict[str, list[int]] = {}  # host prefix hits held until loaded or detached
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -141,6 +165,10 @@ class KVManager:
 
     def _release(self, request_id: str) -> int:
         self._num_cached.pop(request_id, None)
+        self._num_full.pop(request_id, None)
+        pending = self._pending_host.pop(request_id, None)
+        if pending:
+            self.host.free(pending)
         device = self._tables.pop(request_id, None)
         host = self._host_tables.pop(request_id, None)
         t = self._transfers.get(request_id)
@@ -175,7 +203,28 @@ class KVManager:
         if device:
             self._tables[request_id] = list(device)
             self._num_cached[request_id] = len(device)
-        return PrefixHit(len(device), 0, len(device) * self.block_size)
+        host = self.host_prefix.match(hashes[:limit], len(device)) if self.host_prefix is not None else []
+        for b in host:  # held: nothing may overwrite them before the copy
+            self.host.share(b)
+        if host:
+            self._pending_host[request_id] = host
+        return PrefixHit(len(device), len(host), (len(device) + len(host)) * self.block_size)
+
+    def load_host_prefix(self, request_id: str) -> list[tuple[int, int]]:
+        """Device blocks for the request's host prefix hits, after its attached device blocks;
+        returns the (host block, device block) pairs for this plan's synchronous swap-in. The
+        host sources stay held until end_plan (the transfer contract's sync swap-in)."""
+        host = self._pending_host.pop(request_id, None)
+        if not host:
+            return []
+        table = self._tables.get(request_id)
+        new = self.device.allocate(len(host), table[-1] if table and self.device.contiguous else None)
+        if table is None:
+            self._tables[request_id] = list(new)
+        else:
+            table.extend(new)
+        self._plan_held_host.extend(host)
+        return list(zip(host, new))
 
     def detach_prefix(self, request_id: str) -> None:
         """The request could not start after attach_prefix: give its shared blocks back."""
@@ -193,6 +242,7 @@ class KVManager:
         done = self._num_cached.get(request_id, 0)
         if full <= done:
             return
+        self._num_full[request_id] = max(full, self._num_full.get(request_id, 0))
         hashes = extend_hashes(self._hashes.setdefault(request_id, []), tokens, full * self.block_size,
                                self.block_size)
         for i in range(done, full):
@@ -214,8 +264,32 @@ class KVManager:
         return bool(table) and not self._moved(request_id) and len(table) <= self.host.num_free
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]]:
-        """Move the request's KV to host; returns (device block, host block) pairs in table order."""
-        return self._move("swap_out", request_id, self._tables, self.device, self._host_tables, self.host)
+        """Move the request's KV to host; returns (device block, host block) pairs in table order,
+        only for blocks without a valid host copy (those are reused: FastSwitch §3.3)."""
+        kept = self._host_copies(request_id)
+        pairs = self._move("swap_out", request_id, self._tables, self.device, self._host_tables, self.host, kept)
+        if self.host_prefix is not None:
+            hashes, start = self._hashes.get(request_id, []), len(kept)
+            num_new = max(0, min(self._num_full.get(request_id, 0), len(hashes)) - start)
+            copies = [(hashes[start + i], h) for i, (_, h) in enumerate(pairs[:num_new])]
+            t = self._transfers.get(request_id)
+            if t is not None:  # in flight: cached once it landed
+                t.host_copies = copies
+            else:  # a sync copy runs before any later swap-in reads it
+                for block_hash, h in copies:
+                    self.host_prefix.insert(block_hash, h)
+        return pairs
+
+    def _host_copies(self, request_id: str) -> list[int]:
+        """Host blocks already holding the request's leading computed blocks, held."""
+        if self.host_prefix is None or request_id not in self._tables or self._moved(request_id):
+            return []
+        hashes = self._hashes.get(request_id, [])
+        n = min(self._num_full.get(request_id, 0), len(hashes), len(self._tables[request_id]))
+        kept = self.host_prefix.match(hashes[:n])
+        for b in kept:
+            self.host.share(b)  # before allocating: never evicted for the other blocks
+        return kept
 
     def can_swap_in(self, request_id: str) -> bool:
         table = self._host_tables.get(request_id)
@@ -226,25 +300,30 @@ class KVManager:
         return self._move("swap_in", request_id, self._host_tables, self.host, self._tables, self.device)
 
     def _move(self, op: str, request_id: str, src_tables: dict[str, list[int]], src: BlockPool,
-              dst_tables: dict[str, list[int]], dst: BlockPool) -> list[tuple[int, int]]:
+              dst_tables: dict[str, list[int]], dst: BlockPool, kept: list[int] | None = None
+              ) -> list[tuple[int, int]]:
         """One swap, either way: allocate on the destination tier, retarget the table, release
-        the source (now or at end_transfer); returns (source block, destination block) pairs."""
+        the source (now or at end_transfer); returns (source block, destination block) pairs.
+        `kept`: destination blocks (held) that already hold the leading source blocks' KV."""
+        kept = kept or []
         table = src_tables.get(request_id)
         where = "device" if src is self.device else "host"
         if not table:
             raise ValueError(f"{op}({request_id!r}): no KV on {where} (residency {self.residency(request_id)})")
         if self._moved(request_id):
             raise ValueError(f"{op}({request_id!r}): already moved in this transfer window")
-        if len(table) > dst.num_free:
+        if len(table) - len(kept) > dst.num_free:
+            if kept:
+                dst.free(kept)
             other = "host" if where == "device" else "device"
             raise OutOfBlocksError(f"{op}({request_id!r}) needs {len(table)} {other} blocks, "
                                    f"{dst.num_free} free; check can_{op} first")
-        new = dst.allocate(len(table))
+        new = dst.allocate(len(table) - len(kept))
         self._num_cached.pop(request_id, None)  # a new table: its blocks are offered again
         del src_tables[request_id]
-        dst_tables[request_id] = new
+        dst_tables[request_id] = kept + new
         self._release_source(request_id, src, table)
-        return list(zip(table, new))
+        return list(zip(table[len(kept):], new))
 
     def _moved(self, request_id: str) -> bool:
         t = self._transfers.get(request_id)
@@ -275,6 +354,10 @@ class KVManager:
         t = self._transfers.pop(request_id, None)
         if t is None:
             raise ValueError(f"end_transfer({request_id!r}): no transfer in flight")
+        table = self._host_tables.get(request_id, ())
+        for block_hash, h in t.host_copies:  # still its KV (not aborted): the copy landed
+            if self.host_prefix is not None and h in table:
+                self.host_prefix.insert(block_hash, h)
         if t.held_device:
             self.device.free(t.held_device)
         if t.held_host:
@@ -318,13 +401,14 @@ class KVManager:
         """Raise AssertionError unless, per tier, every block's reference count is the number of
         its holders (tables, open windows, this plan's held sources, the prefix cache), and a
         block in more than one place is a cached one (shared prefix); no table is empty."""
-        caches = (self.prefix, None)
+        caches = (self.prefix, self.host_prefix)
         for name, pool, tables, idx, cache in (("device", self.device, self._tables, 0, caches[0]),
                                                ("host", self.host, self._host_tables, 1, caches[1])):
             refs = Counter(b for t in tables.values() for b in t)
             refs.update(b for held in self.held().values() for b in held[idx])
             if idx == 1:
                 refs.update(self._plan_held_host)
+                refs.update(b for held in self._pending_host.values() for b in held)
             cached = cache.blocks() if cache is not None else set()
             for b, n in refs.items():
                 if n > 1 and b not in cached:

@@ -143,10 +143,13 @@ class Scheduler:
         return chosen, stalled, it
 
     def _start_from_prefix(self, req: Request, hit: PrefixHit, plan: StepPlan) -> None:
-        """The request runs from its cached prefix: counted as computed (vLLM)."""
+        """The request runs from its cached prefix, counted as computed (vLLM); the part found
+        on host is copied in before this step's compute (FastSwitch §3.3)."""
         bs = self.kv.block_size
         req.num_computed_tokens = hit.num_tokens
         self.stats.record_prefix_lookup(req.num_tokens, hit.device_blocks * bs, hit.host_blocks * bs)
+        if hit.host_blocks:
+            self.preemption.load_host_prefix(req, plan)
 
     def _add_slice(self, req: Request, computed: int, chunk: int, sample: bool, plan: StepPlan, now: float) -> None:
         rid = req.request_id
