@@ -456,6 +456,7 @@ def test_random_operations_with_sharing(block_size: int, device: int, host: int,
 
     for op, rid, b, n in ops:
         ready = kv.is_ready(rid)
+        kv.begin_plan()  # each op is one plan: evicted device copies are offloaded to host
         if op == "arrive" and kv.residency(rid) == "none" and not kv.in_flight(rid):
             base[rid] = _BASES[b]
             hit = kv.attach_prefix(rid, min(n + hit_room(block_size), 64), src(rid))
@@ -521,9 +522,12 @@ def test_random_operations_with_sharing(block_size: int, device: int, host: int,
             kv.free(rid)
             tokens.pop(rid, None)
         kv.check()
-        if op in ("swap_in", "swap_out"):
-            kv.end_plan()
-            kv.check()
+        for d, h in kv.take_offloads():
+            assert kv.host.is_cached(h) and kv.host.ref_count(h) == 2  # cached, held until end_plan
+            assert not kv.device.is_cached(d)  # evicted on device
+            event("evicted block offloaded to host")
+        kv.end_plan()
+        kv.check()
     for rid in IDS:
         if kv.in_flight(rid):
             kv.end_transfer(rid)

@@ -288,3 +288,27 @@ def test_host_hits_with_int8_offload(reference):
     with llm:
         assert llm.engine.scheduler.stats.prefix_cache_host_hits >= 48 and len(got) == GREEDY.max_tokens
         llm.engine.scheduler.kv.check()
+
+
+@pytest.mark.parametrize("preemption", ["reactive-swap", "proactive-swap"])
+def test_evicted_device_blocks_are_offloaded_and_found_on_host(reference, preemption):
+    """No request is ever swapped out (one runs at a time): the first request's cached blocks
+    reach host only by being offloaded when other requests evict them from the device."""
+    path = reference[0]
+    rng = random.Random(12)
+    first = [1] + [rng.randrange(3, 500) for _ in range(63)]
+    fillers = [[1] + [rng.randrange(3, 500) for _ in range(70)] for _ in range(3)]
+    outs = {}
+    for caching in (False, True):
+        with LLM(path, preemption=preemption, kv_cache_blocks=10, max_batch_size=1, host_kv_blocks=64,
+                 enable_prefix_caching=caching) as llm:
+            for p in [first] + fillers:
+                llm.generate([p], GREEDY)
+            outs[caching] = llm.generate([first + [9, 8, 7]], GREEDY)[0].token_ids
+            stats = llm.engine.scheduler.stats
+            assert stats.swap_out_bytes == 0
+            if caching:
+                assert stats.prefix_cache_offload_bytes > 0 and stats.prefix_cache_host_hits >= 48
+                assert stats.prefix_cache_device_hits == 0  # its device copies were all evicted
+                llm.engine.scheduler.kv.check()
+    assert outs[True] == outs[False]

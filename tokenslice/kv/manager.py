@@ -43,6 +43,10 @@ host gets those blocks copied in (`load_host_prefix`, a sync swap-in of this pla
 prefilled. A host block reused for anything else is evicted from the cache first: a copy is
 never found after its block was overwritten ("contamination"). Host copies of an async
 swap-out are cached only at end_transfer, once the copy landed (never for an aborted one).
+A device block evicted while a plan is built (between `begin_plan` and `end_plan`) is offloaded
+to host instead of lost, when host has room and no copy yet (SGLang HiCache): the copy joins
+the plan's sync swap-outs (`take_offloads`), which run before anything of the plan overwrites
+the block, and its host destination is held until end_plan like a swap-in source.
 """
 from __future__ import annotations
 
@@ -88,8 +92,9 @@ class KVManager:
         self._host_tables: dict[str, list[int]] = {}  # host blocks per request (never empty)
         self._transfers: dict[str, _Transfer] = {}
         self._plan_held_host: list[int] = []  # sources of this plan's sync swap-ins (end_plan frees)
-        self.prefix = PrefixCache(self.device) if prefix_caching else None
         self.host_prefix = PrefixCache(self.host) if prefix_caching and num_host_blocks else None
+        self.prefix = PrefixCache(self.device, self._offload if self.host_prefix is not None else None) if prefix_caching else None
+        self._offloads: list[tuple[int, int]] | None = None  # evicted device blocks copied to host this plan
         self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
         self._num_cached: dict[str, int] = {}  # leading table blocks already offered to the cache
         self._num_full: dict[str, int] = {}  # leading blocks whose KV is computed (any tier)
@@ -364,8 +369,31 @@ class KVManager:
             self.host.free(t.held_host)
         return len(t.held_device) + len(t.held_host)
 
+    def begin_plan(self) -> None:
+        """A plan is being built: device blocks evicted from now on are offloaded to host."""
+        self._offloads = []
+
+    def take_offloads(self) -> list[tuple[int, int]]:
+        """(device block, host block) copies of the evicted blocks offloaded so far this plan:
+        for the plan's sync swap-outs."""
+        out = self._offloads or []
+        if self._offloads is not None:
+            self._offloads = []
+        return out
+
+    def _offload(self, block_hash: int, block: int) -> None:
+        """The device cache evicted `block`; keep its KV as a host copy if host has room."""
+        host = self.host_prefix
+        if self._offloads is None or host is None or host.get(block_hash) is not None or not self.host.num_free:
+            return
+        h = self.host.allocate(1)[0]
+        host.insert(block_hash, h)
+        self._plan_held_host.append(h)  # no other copy of this plan may target it
+        self._offloads.append((block, h))
+
     def end_plan(self) -> None:
         """The plan is built: release host blocks its sync swap-ins read (see the contract)."""
+        self._offloads = None
         if self._plan_held_host:
             self.host.free(self._plan_held_host)
             self._plan_held_host = []

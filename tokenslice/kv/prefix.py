@@ -32,8 +32,10 @@ class PrefixCache:
     """Block hash <-> block of one pool. The cache holds one reference to each of its blocks;
     the pool evicts them when they are evictable and space is needed, and tells the cache."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, on_evict: Callable[[int, int], None] | None = None) -> None:
+        """`on_evict(hash, block)`: told after the pool evicted a cached block, before its reuse."""
         self.pool = pool
+        self.on_evict = on_evict
         self._block_of: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
         pool.on_evict = self._forget
@@ -71,3 +73,5 @@ class PrefixCache:
         """The pool evicted `block` (it will be reused): its contents no longer count."""
         h = self._hash_of.pop(block)
         del self._block_of[h]
+        if self.on_evict is not None:
+            self.on_evict(h, block)

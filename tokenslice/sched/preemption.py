@@ -108,6 +108,14 @@ class Recompute:
         plan.swap_in.extend(pairs)
         self.stats.record_swap(req.metrics, "in", len(pairs) * self.swap_block_bytes, len(copy_runs(pairs)))
 
+    def offload_evicted(self, plan: StepPlan) -> None:
+        """Cached device blocks this plan evicted are copied to host before it overwrites them
+        (a prefix cache's host tier, SGLang HiCache)."""
+        pairs = self.kv.take_offloads()
+        if pairs:
+            plan.swap_out.extend(pairs)
+            self.stats.record_offload(len(pairs) * self.swap_block_bytes)
+
     def fast_forward_room(self, free_blocks: int) -> int:
         """Free blocks a repeated decode batch may grow into before something else would act."""
         return free_blocks

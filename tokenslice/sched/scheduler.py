@@ -74,10 +74,12 @@ class Scheduler:
         plan = StepPlan(finished=self._released)
         self._released = []
         self.preemption.begin_plan(now)
+        self.kv.begin_plan()
         ranked = iter(self.policy.ranked(now))
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
         chosen, stalled, rest = self._fill_batch(ranked, seen, plan, now)
         self.preemption.end_plan(chosen, plan)
+        self.preemption.offload_evicted(plan)
         self.kv.end_plan()
         if not chosen and self.requests and not stalled and not self.kv.num_in_flight:
             self._resolve_stall(seen + list(rest), now)

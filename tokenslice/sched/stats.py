@@ -21,11 +21,16 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_device_hits: int = 0
     prefix_cache_host_hits: int = 0
+    prefix_cache_offload_bytes: int = 0  # evicted device blocks copied to host
 
     def record_prefix_lookup(self, queried: int, device_hits: int, host_hits: int) -> None:
         self.prefix_cache_queries += queried
         self.prefix_cache_device_hits += device_hits
         self.prefix_cache_host_hits += host_hits
+
+    def record_offload(self, nbytes: int) -> None:
+        """Evicted cached blocks copied to host: traffic of no request, so not in swap_out_bytes."""
+        self.prefix_cache_offload_bytes += nbytes
 
     def record_preemption(self, m: RequestMetrics) -> None:
         m.preemptions += 1
