@@ -312,3 +312,25 @@ def test_evicted_device_blocks_are_offloaded_and_found_on_host(reference, preemp
                 assert stats.prefix_cache_device_hits == 0  # its device copies were all evicted
                 llm.engine.scheduler.kv.check()
     assert outs[True] == outs[False]
+
+
+def test_simulator_shares_real_prompt_ids_only() -> None:
+    from tokenslice.bench.simulate import simulate_run
+    from tokenslice.bench.workloads import WorkloadRequest
+    from tokenslice.config import SchedulerConfig
+    from tokenslice.engine.engine import Engine
+    from tokenslice.predict.cost import load_cost_model
+
+    cost = load_cost_model("opt-13b@a100-40gb")
+    shared = list(range(3, 67))  # four full blocks
+    real = [WorkloadRequest(f"r{i}", 5.0 * i, None, 70, 8, prompt_token_ids=shared + [100 + i] * 6) for i in range(3)]
+    placeholder = [WorkloadRequest(f"p{i}", 5.0 * i, None, 70, 8) for i in range(3)]
+    for trace, hits in ((real, 2 * 64), (placeholder, 0)):
+        eng = Engine.simulated(SchedulerConfig(), cost, kv_cache_blocks=64)
+        eng.replay(trace)
+        assert eng.scheduler.stats.prefix_cache_device_hits == hits
+    def first_tokens(caching: bool) -> list[float]:
+        records, _ = simulate_run(cost, real, SchedulerConfig(), 64, enable_prefix_caching=caching)
+        return [r.first_token_time - r.arrival for r in records]
+    on, off = first_tokens(True), first_tokens(False)
+    assert on[0] == off[0] and on[1] < off[1] and on[2] < off[2]  # later ones prefill 6 tokens, not 70

@@ -428,6 +428,8 @@ def add_simulation_subcommands(sub: Any) -> None:
     flag("kv_cache_blocks", help="device KV blocks (default: ample, every request of the workload fits at once)")
     flag("host_kv_blocks", help=f"host KV blocks for the swap modes (default: {HOST_KV_FACTOR}x the device pool)")
     flag("offload_dtype")
+    flag("enable_prefix_caching", action=argparse.BooleanOptionalAction,
+         help="share cached KV of equal prompt prefixes (dataset workloads: synthetic prompts never share)")
     _add_scheduler_tuning_args(m, SweepSpec)
     flag("block_size")
     flag("slo_normalized_latency", help="s/token (default: 10x the profile's decode iteration time)")
