@@ -37,7 +37,8 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks an allocation may take: free ones plus evictable cached ones."""
-        return self.num_unreferenced + len(self._evictable)
+        g = self._groups
+        return (g.num_free if g is not None else len(self._free)) + len(self._evictable)
 
     @property
     def num_unreferenced(self) -> int:
@@ -56,11 +57,11 @@ class BlockPool:
         """n blocks with reference count 1. `after` (the caller's last block) lets the contiguous
         pool extend that run in place; the plain pool ignores it. Evictable cached blocks are
         evicted, least recently used first, only when the free ones do not suffice."""
-        if n > self.num_free:
-            raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
-        short = n - self.num_unreferenced
-        if short > 0:
-            self._evict(short)
+        unreferenced = self.num_unreferenced
+        if n > unreferenced:
+            if n > unreferenced + len(self._evictable):
+                raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
+            self._evict(n - unreferenced)
         if self._groups is not None:
             out = self._groups.allocate(n, after)
         else:

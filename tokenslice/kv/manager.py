@@ -257,7 +257,7 @@ class KVManager:
     def reclaimable(self, request_ids: list[str]) -> int:
         """Device blocks that become allocatable once these requests' KV leaves the device
         (blocks shared with other tables stay)."""
-        if self.prefix is None:
+        if self.prefix is None or not len(self.prefix):  # nothing cached: nothing shared
             return sum(len(self._tables.get(rid, ())) for rid in request_ids)
         refs = Counter(b for rid in request_ids for b in self._tables.get(rid, ()))
         cached = self.device.is_cached
