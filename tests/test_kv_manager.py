@@ -506,8 +506,14 @@ def test_random_operations_with_sharing(block_size: int, device: int, host: int,
             if op == "async_in" and not kv.in_flight(rid):
                 kv.begin_transfer(rid)
             others = {r: t for r, t in kv.owners().items() if r != rid}
-            kv.swap_in(rid)
-            _fresh(kv, kv.device, kv.block_table(rid), others)
+            n = len(kv.host_blocks(rid))
+            pairs = kv.swap_in(rid)
+            table = kv.block_table(rid)
+            kept = n - len(pairs)  # leading blocks still cached on device: shared again
+            assert [d for _, d in pairs] == table[kept:] and all(kv.device.is_cached(d) for d in table[:kept])
+            _fresh(kv, kv.device, table[kept:], others)
+            if kept:
+                event("swap-in copies only what the device lacks")
         elif op == "flush" and kv.num_free_device_blocks:  # other work takes every free block
             others = kv.owners()
             _fresh(kv, kv.device, kv.ensure("filler", kv.num_free_device_blocks * block_size), others)

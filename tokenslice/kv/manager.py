@@ -40,7 +40,8 @@ request's full computed blocks are cached on host under the same hashes, and the
 outlives the swap-in (the source is only evictable afterwards). So a request swapped out again
 copies only the blocks without a valid host copy, and a new request whose prefix continues on
 host gets those blocks copied in (`load_host_prefix`, a sync swap-in of this plan) instead of
-prefilled. A host block reused for anything else is evicted from the cache first: a copy is
+prefilled. Likewise a swap-in shares the leading blocks still cached on device and copies only
+the rest. A host block reused for anything else is evicted from the cache first: a copy is
 never found after its block was overwritten ("contamination"). Host copies of an async
 swap-out are cached only at end_transfer, once the copy landed (never for an aborted one).
 A device block evicted while a plan is built (between `begin_plan` and `end_plan`) is offloaded
@@ -271,7 +272,7 @@ class KVManager:
     def swap_out(self, request_id: str) -> list[tuple[int, int]]:
         """Move the request's KV to host; returns (device block, host block) pairs in table order,
         only for blocks without a valid host copy (those are reused: FastSwitch §3.3)."""
-        kept = self._host_copies(request_id)
+        kept = self._valid_copies(request_id, self._tables, self.host_prefix)
         pairs = self._move("swap_out", request_id, self._tables, self.device, self._host_tables, self.host, kept)
         if self.host_prefix is not None:
             hashes, start = self._hashes.get(request_id, []), len(kept)
@@ -285,15 +286,17 @@ class KVManager:
                     self.host_prefix.insert(block_hash, h)
         return pairs
 
-    def _host_copies(self, request_id: str) -> list[int]:
-        """Host blocks already holding the request's leading computed blocks, held."""
-        if self.host_prefix is None or request_id not in self._tables or self._moved(request_id):
+    def _valid_copies(self, request_id: str, src_tables: dict[str, list[int]], cache: PrefixCache | None
+                      ) -> list[int]:
+        """Blocks of the destination tier's cache already holding the request's leading computed
+        blocks, held: a swap copies only the rest."""
+        table = src_tables.get(request_id)
+        if cache is None or not table or self._moved(request_id):
             return []
         hashes = self._hashes.get(request_id, [])
-        n = min(self._num_full.get(request_id, 0), len(hashes), len(self._tables[request_id]))
-        kept = self.host_prefix.match(hashes[:n])
+        kept = cache.match(hashes[:min(self._num_full.get(request_id, 0), len(hashes), len(table))])
         for b in kept:
-            self.host.share(b)  # before allocating: never evicted for the other blocks
+            cache.pool.share(b)  # before allocating: never evicted for the other blocks
         return kept
 
     def can_swap_in(self, request_id: str) -> bool:
@@ -301,8 +304,13 @@ class KVManager:
         return bool(table) and not self._moved(request_id) and len(table) <= self.device.num_free
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]]:
-        """Move the request's KV back to device; returns (host block, device block) pairs in table order."""
-        return self._move("swap_in", request_id, self._host_tables, self.host, self._tables, self.device)
+        """Move the request's KV back to device; returns (host block, device block) pairs in table
+        order, only for blocks not still cached on device (those are shared again)."""
+        kept = self._valid_copies(request_id, self._host_tables, self.prefix)
+        pairs = self._move("swap_in", request_id, self._host_tables, self.host, self._tables, self.device, kept)
+        if kept:
+            self._num_cached[request_id] = len(kept)  # already cached
+        return pairs
 
     def _move(self, op: str, request_id: str, src_tables: dict[str, list[int]], src: BlockPool,
               dst_tables: dict[str, list[int]], dst: BlockPool, kept: list[int] | None = None
