@@ -245,10 +245,11 @@ class KVManager:
         if not table:
             return
         full = min(num_computed // self.block_size, len(table))
+        if full > self._num_full.get(request_id, 0):
+            self._num_full[request_id] = full
         done = self._num_cached.get(request_id, 0)
         if full <= done:
             return
-        self._num_full[request_id] = max(full, self._num_full.get(request_id, 0))
         hashes = extend_hashes(self._hashes.setdefault(request_id, []), tokens, full * self.block_size,
                                self.block_size)
         for i in range(done, full):
