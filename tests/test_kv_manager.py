@@ -440,6 +440,24 @@ def _fresh(kv: KVManager, pool: BlockPool, blocks: list[int], others: dict[str, 
     assert all(pool.ref_count(b) == 1 + pool.is_cached(b) and b not in held for b in blocks)
 
 
+def _checked_swap(kv: KVManager, rid: str, direction: str, window: bool) -> None:
+    """A swap copies only the blocks the destination's cache lacks: the leading ones it has are
+    reused (cached copies), the rest go to fresh blocks."""
+    if window and not kv.in_flight(rid):
+        kv.begin_transfer(rid)
+    out = direction == "out"
+    pool, tables = (kv.host, kv.host_owners) if out else (kv.device, kv.owners)
+    others = {r: t for r, t in tables().items() if r != rid}
+    n = len(kv.block_table(rid) if out else kv.host_blocks(rid))
+    pairs = kv.swap_out(rid) if out else kv.swap_in(rid)
+    table = kv.host_blocks(rid) if out else kv.block_table(rid)
+    kept = n - len(pairs)
+    assert [d for _, d in pairs] == table[kept:] and all(pool.is_cached(b) for b in table[:kept])
+    _fresh(kv, pool, table[kept:], others)
+    if kept:
+        event(f"swap-{direction} copies only what the destination lacks")
+
+
 @settings(max_examples=500, deadline=None)
 @given(block_size=st.integers(1, 4), device=st.integers(4, 24), host=st.integers(0, 16),
        contiguous=st.booleans(),
@@ -490,30 +508,9 @@ def test_random_operations_with_sharing(block_size: int, device: int, host: int,
         elif op == "compute" and ready and kv.residency(rid) == "device":
             kv.cache_computed(rid, tokens[rid], src(rid))
         elif op in ("swap_out", "async_out") and kv.can_swap_out(rid):
-            if op == "async_out" and not kv.in_flight(rid):
-                kv.begin_transfer(rid)
-            others = {r: t for r, t in kv.host_owners().items() if r != rid}
-            n = len(kv.block_table(rid))
-            pairs = kv.swap_out(rid)
-            host_table = kv.host_blocks(rid)
-            kept = n - len(pairs)  # leading blocks whose valid host copy is reused
-            assert [h for _, h in pairs] == host_table[kept:]
-            assert all(kv.host.is_cached(h) for h in host_table[:kept])
-            _fresh(kv, kv.host, host_table[kept:], others)
-            if kept:
-                event("swap-out copies only the increment")
+            _checked_swap(kv, rid, "out", op.startswith("async"))
         elif op in ("swap_in", "async_in") and kv.can_swap_in(rid):
-            if op == "async_in" and not kv.in_flight(rid):
-                kv.begin_transfer(rid)
-            others = {r: t for r, t in kv.owners().items() if r != rid}
-            n = len(kv.host_blocks(rid))
-            pairs = kv.swap_in(rid)
-            table = kv.block_table(rid)
-            kept = n - len(pairs)  # leading blocks still cached on device: shared again
-            assert [d for _, d in pairs] == table[kept:] and all(kv.device.is_cached(d) for d in table[:kept])
-            _fresh(kv, kv.device, table[kept:], others)
-            if kept:
-                event("swap-in copies only what the device lacks")
+            _checked_swap(kv, rid, "in", op.startswith("async"))
         elif op == "flush" and kv.num_free_device_blocks:  # other work takes every free block
             others = kv.owners()
             _fresh(kv, kv.device, kv.ensure("filler", kv.num_free_device_blocks * block_size), others)
