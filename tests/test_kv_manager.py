@@ -426,3 +426,121 @@ def test_long_lifecycles(block_size: int, device: int, host: int, contiguous: bo
         m.blocks_owned_once_never_leaked()
         m.residency_and_readiness()
     m.teardown()
+
+
+# ---- prefix caching: shared blocks never leak, double-own or get handed out while held ----------
+_BASES = [[(7 * b + 3 * i) % 5 for i in range(64)] for b in range(2)]  # few tokens: prefixes repeat
+_SHARE_OPS = ["arrive", "arrive", "grow", "compute", "compute", "swap_out", "swap_in", "async_out",
+              "async_in", "end", "drop", "free", "flush"]
+
+
+def _fresh(kv: KVManager, pool: BlockPool, blocks: list[int], others: dict[str, list[int]]) -> None:
+    """Blocks just allocated: held once (and maybe cached as copies), in no other table."""
+    held = {b for t in others.values() for b in t}
+    assert all(pool.ref_count(b) == 1 + pool.is_cached(b) and b not in held for b in blocks)
+
+
+def _checked_swap(kv: KVManager, rid: str, direction: str, window: bool) -> None:
+    """A swap copies only the blocks the destination's cache lacks: the leading ones it has are
+    reused (cached copies), the rest go to fresh blocks."""
+    if window and not kv.in_flight(rid):
+        kv.begin_transfer(rid)
+    out = direction == "out"
+    pool, tables = (kv.host, kv.host_owners) if out else (kv.device, kv.owners)
+    others = {r: t for r, t in tables().items() if r != rid}
+    n = len(kv.block_table(rid) if out else kv.host_blocks(rid))
+    pairs = kv.swap_out(rid) if out else kv.swap_in(rid)
+    table = kv.host_blocks(rid) if out else kv.block_table(rid)
+    kept = n - len(pairs)
+    assert [d for _, d in pairs] == table[kept:] and all(pool.is_cached(b) for b in table[:kept])
+    _fresh(kv, pool, table[kept:], others)
+    if kept:
+        event(f"swap-{direction} copies only what the destination lacks")
+
+
+@settings(max_examples=500, deadline=None)
+@given(block_size=st.integers(1, 4), device=st.integers(4, 24), host=st.integers(0, 16),
+       contiguous=st.booleans(),
+       ops=st.lists(st.tuples(st.sampled_from(_SHARE_OPS), st.sampled_from(IDS), st.integers(0, 1),
+                              st.integers(1, 20)), min_size=10, max_size=80))
+def test_random_operations_with_sharing(block_size: int, device: int, host: int, contiguous: bool,
+                                        ops: list[tuple[str, str, int, int]]) -> None:
+    kv = KVManager(block_size, device, host, contiguous=contiguous, prefix_caching=True)
+    base: dict[str, list[int]] = {}
+    tokens: dict[str, int] = {}  # tokens of KV kept (device or host)
+
+    def src(rid: str):
+        return lambda s, e: base[rid][s:e]
+
+    for op, rid, b, n in ops:
+        ready = kv.is_ready(rid)
+        kv.begin_plan()  # each op is one plan: evicted device copies are offloaded to host
+        if op == "arrive" and kv.residency(rid) == "none" and not kv.in_flight(rid):
+            base[rid] = _BASES[b]
+            hit = kv.attach_prefix(rid, min(n + hit_room(block_size), 64), src(rid))
+            target = min(n + hit_room(block_size), 64)
+            assert hit.num_tokens < target and hit.num_tokens % block_size == 0
+            shared = list(kv.block_table(rid))
+            assert all(kv.device.is_cached(x) for x in shared)
+            event(f"arrival reusing {min(len(shared), 2)}{'+' if len(shared) >= 2 else ''} cached blocks")
+            if hit.host_blocks:
+                event("arrival reusing host blocks")
+            if kv.blocks_needed(rid, target) > kv.num_free_device_blocks:
+                kv.detach_prefix(rid)
+                assert kv.residency(rid) == "none"
+            else:
+                others = {r: t for r, t in kv.owners().items() if r != rid}
+                pairs = kv.load_host_prefix(rid)  # its prefix found on host: copied in this plan
+                assert len(pairs) == hit.host_blocks
+                assert all(kv.host.is_cached(h) and kv.host.ref_count(h) >= 2 for h, _ in pairs)
+                _fresh(kv, kv.device, [d for _, d in pairs] + kv.ensure(rid, target), others)
+                kv.check()
+                kv.end_plan()
+                tokens[rid] = target
+                if n % 2:  # its prefill ran: the full blocks are cached
+                    kv.cache_computed(rid, target, src(rid))
+        elif op == "grow" and ready and kv.residency(rid) == "device":
+            target = min(tokens[rid] + n, 64)
+            if kv.blocks_needed(rid, target) <= kv.num_free_device_blocks:
+                others = {r: t for r, t in kv.owners().items() if r != rid}
+                _fresh(kv, kv.device, kv.ensure(rid, target), others)
+                tokens[rid] = target
+        elif op == "compute" and ready and kv.residency(rid) == "device":
+            kv.cache_computed(rid, tokens[rid], src(rid))
+        elif op in ("swap_out", "async_out") and kv.can_swap_out(rid):
+            _checked_swap(kv, rid, "out", op.startswith("async"))
+        elif op in ("swap_in", "async_in") and kv.can_swap_in(rid):
+            _checked_swap(kv, rid, "in", op.startswith("async"))
+        elif op == "flush" and kv.num_free_device_blocks:  # other work takes every free block
+            others = kv.owners()
+            _fresh(kv, kv.device, kv.ensure("filler", kv.num_free_device_blocks * block_size), others)
+            assert kv.device.num_evictable == 0 and all(kv.device.ref_count(b) > 1 for b in kv.prefix.blocks())
+            kv.free("filler")
+        elif op == "end" and kv.in_flight(rid):
+            kv.end_transfer(rid)
+        elif op == "drop" and not kv.in_flight(rid):
+            kv.drop(rid)
+            tokens.pop(rid, None)
+        elif op == "free":
+            kv.free(rid)
+            tokens.pop(rid, None)
+        kv.check()
+        for d, h in kv.take_offloads():
+            assert kv.host.is_cached(h) and kv.host.ref_count(h) == 2  # cached, held until end_plan
+            assert not kv.device.is_cached(d)  # evicted on device
+            event("evicted block offloaded to host")
+        kv.end_plan()
+        kv.check()
+    for rid in IDS:
+        if kv.in_flight(rid):
+            kv.end_transfer(rid)
+        kv.free(rid)
+    kv.end_plan()
+    kv.check()
+    for pool in (kv.device, kv.host):
+        assert pool.num_free == pool.num_blocks and pool.num_used == 0
+
+
+def hit_room(block_size: int) -> int:
+    """Requests are at least two blocks long, so that cached prefixes are found."""
+    return 2 * block_size

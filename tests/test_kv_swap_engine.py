@@ -76,8 +76,10 @@ def wave_reference(model_and_reference):
 @pytest.mark.parametrize("preemption", ["reactive-swap", "proactive-swap"])
 def test_swaps_really_happen_and_change_nothing(wave_reference, preemption):
     path, alone = wave_reference
+    # Without prefix caching every swap-out is copied whole (with it, a request swapped out again
+    # copies only what its retained host copy lacks: tests/test_prefix_cache.py).
     with LLM(path, policy="fixed-priority", preemption=preemption, kv_cache_blocks=14, max_batch_size=4,
-             host_kv_blocks=64, eviction_amortization=0.0) as llm:
+             host_kv_blocks=64, eviction_amortization=0.0, enable_prefix_caching=False) as llm:
         assert _run_waves(llm) == alone
         sched, runner = llm.engine.scheduler, llm.engine.runner
         stats = sched.stats
@@ -150,7 +152,7 @@ def test_server_exports_swap_metrics():
 
     flags = ["--policy", "skip-join-mlfq", "--preemption", "reactive-swap", "--kv-cache-blocks", "14",
              "--host-kv-blocks", "64", "--max-batch-size", "4", "--starvation-limit-s", "0.01",
-             "--eviction-amortization", "0", "--api-key", "k"]
+             "--eviction-amortization", "0", "--api-key", "k", "--no-enable-prefix-caching"]
     with start_server(*flags) as srv:
         client = openai.OpenAI(base_url=srv.url("/v1"), api_key="k")
         from concurrent.futures import ThreadPoolExecutor

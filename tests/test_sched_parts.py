@@ -101,7 +101,7 @@ def test_cli_policy_flags_offer_only_existing_policies(capsys: pytest.CaptureFix
 def test_engine_totals_are_the_sums_over_requests(mode: str) -> None:
     eng = Engine.simulated(SchedulerConfig(policy="skip-join-mlfq", preemption=mode, max_batch_size=6,
                                            starvation_limit_s=0.5), COST, kv_cache_blocks=30, block_size=16,
-                           host_kv_blocks=40)
+                           host_kv_blocks=40, enable_prefix_caching=False)  # swaps copied whole
     reqs = _load(eng, n=40, seed=1)
     while eng.has_unfinished() or eng.scheduler.kv.num_in_flight:
         eng.step()

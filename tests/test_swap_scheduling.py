@@ -78,7 +78,7 @@ def _promotion_storm(mode: str, amortization: float) -> int:
                           starvation_limit_s=0.2, eviction_amortization=amortization)
     eng = Engine.simulated(cfg, COST, kv_cache_blocks=40, block_size=16, host_kv_blocks=400)
     for i in range(24):
-        eng.add_request([7] * 100, SamplingParams(max_tokens=200, ignore_eos=True), request_id=f"r{i}")
+        eng.add_request([7 + i] * 100, SamplingParams(max_tokens=200, ignore_eos=True), request_id=f"r{i}")
     while eng.has_unfinished():
         eng.step()
     s = eng.scheduler.stats
@@ -96,7 +96,7 @@ def test_proactive_swap_overlaps_transfers_with_compute():
                           starvation_limit_s=0.2)
     eng = Engine.simulated(cfg, COST, kv_cache_blocks=40, block_size=16, host_kv_blocks=400)
     for i in range(24):
-        eng.add_request([7] * 100, SamplingParams(max_tokens=200, ignore_eos=True), request_id=f"r{i}")
+        eng.add_request([7 + i] * 100, SamplingParams(max_tokens=200, ignore_eos=True), request_id=f"r{i}")
     async_moves = 0
     schedule = eng.scheduler.schedule
 

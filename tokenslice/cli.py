@@ -91,6 +91,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(CacheConfig, "swap_space_gb", help="host memory for swapped-out KV (reactive-swap / proactive-swap)")
     flag(CacheConfig, "host_kv_blocks", help="host KV blocks (overrides --swap-space-gb)")
     flag(CacheConfig, "offload_dtype", help="int8: per-channel int8 KV on host, dequantized on upload")
+    flag(CacheConfig, "enable_prefix_caching", action=argparse.BooleanOptionalAction,
+         help="reuse cached KV of shared prompt prefixes (on by default)")
     flag(SchedulerConfig, "policy", choices=list(POLICY_NAMES))
     flag(SchedulerConfig, "preemption")
     flag(SchedulerConfig, "max_batch_size")
@@ -448,6 +450,8 @@ def add_simulation_subcommands(sub: Any) -> None:
     flag("kv_cache_blocks", help="device KV blocks (default: ample, every request of the workload fits at once)")
     flag("host_kv_blocks", help=f"host KV blocks for the swap modes (default: {HOST_KV_FACTOR}x the device pool)")
     flag("offload_dtype")
+    flag("enable_prefix_caching", action=argparse.BooleanOptionalAction,
+         help="share cached KV of equal prompt prefixes (dataset workloads: synthetic prompts never share)")
     _add_scheduler_tuning_args(m, SweepSpec)
     flag("block_size")
     flag("slo_normalized_latency", help="s/token (default: 10x the profile's decode iteration time)")

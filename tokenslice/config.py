@@ -75,6 +75,9 @@ class CacheConfig:
     swap_space_gb: float = 4.0
     host_kv_blocks: int | None = None
     offload_dtype: str = field(default="auto", metadata={"choices": OFFLOAD_DTYPES})
+    # Reuse the KV of full blocks whose leading tokens match (vLLM automatic prefix caching,
+    # FastSwitch §3.3 multi-turn reuse): kept on device, and on host in the swap modes.
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         if self.block_size < 1:

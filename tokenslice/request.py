@@ -122,6 +122,9 @@ class Request:
         # which would hand every policy that reads max_tokens the answer's length. Policies never read it.
         self.eos_after: int | None = None
         self.finish_reason: str | None = None
+        # Its KV may be shared through the prefix cache: false for placeholder prompts (a
+        # simulated trace without token ids), whose equal ids do not mean equal text.
+        self.cache_prefix = True
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 
     @property

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tokenslice.clock import RealClock, VirtualClock
-from tokenslice.config import EngineConfig, SchedulerConfig
+from tokenslice.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
 from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
 from tokenslice.kv.manager import KVManager
@@ -111,7 +111,8 @@ class Engine:
         log.info("model %s (%s, %s on %s): %d KV blocks of %d tokens, %d host blocks", loaded.name,
                  loaded.arch.architecture, loaded.dtype, loaded.device, blocks, config.cache.block_size, host_blocks)
         # Block groups (FastSwitch) so a swap is a few large copies.
-        kv = KVManager(config.cache.block_size, blocks, host_blocks, contiguous=swapping)
+        kv = KVManager(config.cache.block_size, blocks, host_blocks, contiguous=swapping,
+                       prefix_caching=config.cache.enable_prefix_caching)
         cost = load_cost_model(config.profile) if config.profile else None
         ctx = PolicyContext(config.scheduler, cost)
         scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, ctx), kv, ctx,
@@ -153,11 +154,13 @@ class Engine:
     @classmethod
     def simulated(cls, config: SchedulerConfig, cost: CostModel, *, kv_cache_blocks: int,
                   block_size: int = 16, max_model_len: int = 1 << 30, host_kv_blocks: int = 0,
-                  offload_dtype: str = "auto") -> Engine:
+                  offload_dtype: str = "auto",
+                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching) -> Engine:
         """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
         iteration times (and swap copy times) from the cost model instead of a model."""
         swapping = PREEMPTION_STRATEGIES[config.preemption].uses_host_tier
-        kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0, contiguous=swapping)
+        kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0, contiguous=swapping,
+                       prefix_caching=enable_prefix_caching)
         ctx = PolicyContext(config, cost)
         policy = make_policy(config.policy, ctx)
         clock = VirtualClock()
@@ -379,19 +382,21 @@ class Engine:
             now = self.clock.now()
             while i < len(items) and start + items[i].arrival_time <= now:
                 item = items[i]
-                ids = getattr(item, "prompt_token_ids", None) or [0] * max(1, item.prompt_len)
+                real = getattr(item, "prompt_token_ids", None)
+                ids = real or [0] * max(1, item.prompt_len)
                 params = SamplingParams(max_tokens=max(1, self.max_model_len - len(ids)), temperature=0.0,
                                         ignore_eos=True)
                 if priority_updates is not None:
                     priority = priority_updates.initial(item)
                 else:
                     priority = (getattr(item, "priority", 0) or 0) if prioritized else 0
-                reqs[item.request_id] = self.add_request(
+                req = reqs[item.request_id] = self.add_request(
                     ids, params, request_id=item.request_id, arrival_time=start + item.arrival_time,
                     user=getattr(item, "user", None), priority=priority,
                     expected_output_tokens=item.output_len,
                     predicted_output_tokens=getattr(item, "predicted_output_tokens", None),
                     eos_after=max(1, item.output_len))
+                req.cache_prefix = bool(real)  # placeholder prompts share nothing
                 i += 1
             if not self.has_unfinished():
                 self._wait_until(start + items[i].arrival_time)

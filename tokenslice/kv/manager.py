@@ -22,13 +22,41 @@ Transfer contract
   The executor calls for `end_transfer` when the copy completed *or* it confirmed the copy was
   cancelled: either way the hardware no longer touches those blocks. Until then `r` stays in
   flight (not ready; `ensure` and swaps refuse it), so no block is ever double-owned or leaked.
+
+Prefix caching (kv/prefix.py; vLLM automatic prefix caching, FastSwitch §3.3)
+------------------------------------------------------------------------------
+With `prefix_caching=True`, full device blocks whose KV is computed are cached under their
+chained token hash as they fill (`cache_computed`); a block freed by its request stays cached
+and evictable (BlockPool). A new request starts with its longest cached prefix
+(`attach_prefix`): those blocks are shared (one reference per table, one for the cache), never
+written (only full blocks are cached; the request writes from the next block on), and
+`detach_prefix` gives them back when the request cannot start. Sharing and block groups
+coexist: shared blocks keep their place and only a request's own new blocks are placed by the
+group allocator, so a request that reuses a prefix swaps as a few more runs (its shared head
+plus its own group); evictable cached blocks stay out of the allocator until evicted.
+
+The host tier caches too (FastSwitch §3.3, SGLang HiCache), when there is one: a swapped-out
+request's full computed blocks are cached on host under the same hashes, and the host copy
+outlives the swap-in (the source is only evictable afterwards). So a request swapped out again
+copies only the blocks without a valid host copy, and a new request whose prefix continues on
+host gets those blocks copied in (`load_host_prefix`, a sync swap-in of this plan) instead of
+prefilled. Likewise a swap-in shares the leading blocks still cached on device and copies only
+the rest. A host block reused for anything else is evicted from the cache first: a copy is
+never found after its block was overwritten ("contamination"). Host copies of an async
+swap-out are cached only at end_transfer, once the copy landed (never for an aborted one).
+A device block evicted while a plan is built (between `begin_plan` and `end_plan`) is offloaded
+to host instead of lost, when host has room and no copy yet (SGLang HiCache): the copy joins
+the plan's sync swap-outs (`take_offloads`), which run before anything of the plan overwrites
+the block, and its host destination is held until end_plan like a swap-in source.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
 from tokenslice.kv.blocks import BlockPool, OutOfBlocksError
+from tokenslice.kv.prefix import PrefixCache, TokenSource, extend_hashes
 
 Residency = Literal["device", "host", "none"]
 
@@ -40,11 +68,21 @@ class _Transfer:
     moved: bool = False  # one swap per window: a second would copy data still in flight
     held_device: list[int] = field(default_factory=list)  # reserved for the copy, in no table
     held_host: list[int] = field(default_factory=list)
+    host_copies: list[tuple[int, int]] = field(default_factory=list)  # (hash, host block) to cache once landed
+
+
+@dataclass
+class PrefixHit:
+    """A new request's cached prefix: full blocks found on device, then on host."""
+
+    device_blocks: int = 0
+    host_blocks: int = 0
+    num_tokens: int = 0
 
 
 class KVManager:
     def __init__(self, block_size: int, num_device_blocks: int, num_host_blocks: int = 0, *,
-                 contiguous: bool = False) -> None:
+                 contiguous: bool = False, prefix_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -55,6 +93,13 @@ class KVManager:
         self._host_tables: dict[str, list[int]] = {}  # host blocks per request (never empty)
         self._transfers: dict[str, _Transfer] = {}
         self._plan_held_host: list[int] = []  # sources of this plan's sync swap-ins (end_plan frees)
+        self.host_prefix = PrefixCache(self.host) if prefix_caching and num_host_blocks else None
+        self.prefix = PrefixCache(self.device, self._offload if self.host_prefix is not None else None) if prefix_caching else None
+        self._offloads: list[tuple[int, int]] | None = None  # evicted device blocks copied to host this plan
+        self._hashes: dict[str, list[int]] = {}  # chained hashes of each request's full blocks
+        self._num_cached: dict[str, int] = {}  # leading table blocks already offered to the cache
+        self._num_full: dict[str, int] = {}  # leading blocks whose KV is computed (any tier)
+        self._pending_host: dict[str, list[int]] = {}  # host prefix hits held until loaded or detached
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -119,7 +164,17 @@ class KVManager:
 
     def free(self, request_id: str) -> int:
         """Release every block of the request on both tiers; returns how many were released
-        now (0 while a transfer window is open: end_transfer releases them)."""
+        now (0 while a transfer window is open: end_transfer releases them). Cached blocks stay
+        in the prefix cache."""
+        self._hashes.pop(request_id, None)
+        return self._release(request_id)
+
+    def _release(self, request_id: str) -> int:
+        self._num_cached.pop(request_id, None)
+        self._num_full.pop(request_id, None)
+        pending = self._pending_host.pop(request_id, None)
+        if pending:
+            self.host.free(pending)
         device = self._tables.pop(request_id, None)
         host = self._host_tables.pop(request_id, None)
         t = self._transfers.get(request_id)
@@ -134,9 +189,81 @@ class KVManager:
         return len(device or ()) + len(host or ())
 
     def drop(self, request_id: str) -> int:
-        """Discard the request's KV on both tiers; it stays live and recomputes (same
-        bookkeeping as free; the name says why at call sites)."""
-        return self.free(request_id)
+        """Discard the request's KV on both tiers; it stays live and recomputes (free's
+        bookkeeping; its block hashes are kept: its tokens do not change)."""
+        return self._release(request_id)
+
+    # ---- prefix caching ---------------------------------------------------------------------
+    def attach_prefix(self, request_id: str, num_tokens: int, tokens: TokenSource) -> PrefixHit:
+        """Start a request that holds no KV with its longest cached prefix of full blocks, at
+        least one of its `num_tokens` tokens left to compute (it must produce logits, as vLLM)."""
+        if self.prefix is None:
+            return PrefixHit()
+        if request_id in self._tables or request_id in self._host_tables or request_id in self._transfers:
+            raise ValueError(f"attach_prefix({request_id!r}): it already has KV")
+        hashes = extend_hashes(self._hashes.setdefault(request_id, []), tokens, num_tokens, self.block_size)
+        limit = (num_tokens - 1) // self.block_size
+        device = self.prefix.match(hashes[:limit])
+        for b in device:
+            self.device.share(b)
+        if device:
+            self._tables[request_id] = list(device)
+            self._num_cached[request_id] = len(device)
+        host = self.host_prefix.match(hashes[:limit], len(device)) if self.host_prefix is not None else []
+        for b in host:  # held: nothing may overwrite them before the copy
+            self.host.share(b)
+        if host:
+            self._pending_host[request_id] = host
+        return PrefixHit(len(device), len(host), (len(device) + len(host)) * self.block_size)
+
+    def load_host_prefix(self, request_id: str) -> list[tuple[int, int]]:
+        """Device blocks for the request's host prefix hits, after its attached device blocks;
+        returns the (host block, device block) pairs for this plan's synchronous swap-in. The
+        host sources stay held until end_plan (the transfer contract's sync swap-in)."""
+        host = self._pending_host.pop(request_id, None)
+        if not host:
+            return []
+        table = self._tables.get(request_id)
+        new = self.device.allocate(len(host), table[-1] if table and self.device.contiguous else None)
+        if table is None:
+            self._tables[request_id] = list(new)
+        else:
+            table.extend(new)
+        self._plan_held_host.extend(host)
+        return list(zip(host, new))
+
+    def detach_prefix(self, request_id: str) -> None:
+        """The request could not start after attach_prefix: give its shared blocks back."""
+        self._release(request_id)
+
+    def cache_computed(self, request_id: str, num_computed: int, tokens: TokenSource) -> None:
+        """Cache the request's full device blocks among its first `num_computed` tokens (their
+        KV is written); a hash already cached under another block keeps that block."""
+        if self.prefix is None:
+            return
+        table = self._tables.get(request_id)
+        if not table:
+            return
+        full = min(num_computed // self.block_size, len(table))
+        if full > self._num_full.get(request_id, 0):
+            self._num_full[request_id] = full
+        done = self._num_cached.get(request_id, 0)
+        if full <= done:
+            return
+        hashes = extend_hashes(self._hashes.setdefault(request_id, []), tokens, full * self.block_size,
+                               self.block_size)
+        for i in range(done, full):
+            self.prefix.insert(hashes[i], table[i])
+        self._num_cached[request_id] = full
+
+    def reclaimable(self, request_ids: list[str]) -> int:
+        """Device blocks that become allocatable once these requests' KV leaves the device
+        (blocks shared with other tables stay)."""
+        if self.prefix is None or not len(self.prefix):  # nothing cached: nothing shared
+            return sum(len(self._tables.get(rid, ())) for rid in request_ids)
+        refs = Counter(b for rid in request_ids for b in self._tables.get(rid, ()))
+        cached = self.device.is_cached
+        return sum(1 for b, n in refs.items() if self.device.ref_count(b) - n - cached(b) == 0)
 
     # ---- swapping ---------------------------------------------------------------------------
     def can_swap_out(self, request_id: str) -> bool:
@@ -144,36 +271,73 @@ class KVManager:
         return bool(table) and not self._moved(request_id) and len(table) <= self.host.num_free
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]]:
-        """Move the request's KV to host; returns (device block, host block) pairs in table order."""
-        return self._move("swap_out", request_id, self._tables, self.device, self._host_tables, self.host)
+        """Move the request's KV to host; returns (device block, host block) pairs in table order,
+        only for blocks without a valid host copy (those are reused: FastSwitch §3.3)."""
+        kept = self._valid_copies(request_id, self._tables, self.host_prefix)
+        pairs = self._move("swap_out", request_id, self._tables, self.device, self._host_tables, self.host, kept)
+        if self.host_prefix is not None:
+            hashes, start = self._hashes.get(request_id, []), len(kept)
+            num_new = max(0, min(self._num_full.get(request_id, 0), len(hashes)) - start)
+            copies = [(hashes[start + i], h) for i, (_, h) in enumerate(pairs[:num_new])]
+            t = self._transfers.get(request_id)
+            if t is not None:  # in flight: cached once it landed
+                t.host_copies = copies
+            else:  # a sync copy runs before any later swap-in reads it
+                for block_hash, h in copies:
+                    self.host_prefix.insert(block_hash, h)
+        return pairs
+
+    def _valid_copies(self, request_id: str, src_tables: dict[str, list[int]], cache: PrefixCache | None
+                      ) -> list[int]:
+        """Blocks of the destination tier's cache already holding the request's leading computed
+        blocks, held: a swap copies only the rest."""
+        table = src_tables.get(request_id)
+        if cache is None or not table or self._moved(request_id):
+            return []
+        hashes = self._hashes.get(request_id, [])
+        kept = cache.match(hashes[:min(self._num_full.get(request_id, 0), len(hashes), len(table))])
+        for b in kept:
+            cache.pool.share(b)  # before allocating: never evicted for the other blocks
+        return kept
 
     def can_swap_in(self, request_id: str) -> bool:
         table = self._host_tables.get(request_id)
         return bool(table) and not self._moved(request_id) and len(table) <= self.device.num_free
 
     def swap_in(self, request_id: str) -> list[tuple[int, int]]:
-        """Move the request's KV back to device; returns (host block, device block) pairs in table order."""
-        return self._move("swap_in", request_id, self._host_tables, self.host, self._tables, self.device)
+        """Move the request's KV back to device; returns (host block, device block) pairs in table
+        order, only for blocks not still cached on device (those are shared again)."""
+        kept = self._valid_copies(request_id, self._host_tables, self.prefix)
+        pairs = self._move("swap_in", request_id, self._host_tables, self.host, self._tables, self.device, kept)
+        if kept:
+            self._num_cached[request_id] = len(kept)  # already cached
+        return pairs
 
     def _move(self, op: str, request_id: str, src_tables: dict[str, list[int]], src: BlockPool,
-              dst_tables: dict[str, list[int]], dst: BlockPool) -> list[tuple[int, int]]:
+              dst_tables: dict[str, list[int]], dst: BlockPool, kept: list[int] | None = None
+              ) -> list[tuple[int, int]]:
         """One swap, either way: allocate on the destination tier, retarget the table, release
-        the source (now or at end_transfer); returns (source block, destination block) pairs."""
+        the source (now or at end_transfer); returns (source block, destination block) pairs.
+        `kept`: destination blocks (held) that already hold the leading source blocks' KV."""
+        kept = kept or []
         table = src_tables.get(request_id)
         where = "device" if src is self.device else "host"
         if not table:
             raise ValueError(f"{op}({request_id!r}): no KV on {where} (residency {self.residency(request_id)})")
         if self._moved(request_id):
             raise ValueError(f"{op}({request_id!r}): already moved in this transfer window")
-        if len(table) > dst.num_free:
+        if len(table) - len(kept) > dst.num_free:
+            if kept:
+                dst.free(kept)
             other = "host" if where == "device" else "device"
             raise OutOfBlocksError(f"{op}({request_id!r}) needs {len(table)} {other} blocks, "
                                    f"{dst.num_free} free; check can_{op} first")
-        new = dst.allocate(len(table))
+        new = dst.allocate(len(table) - len(kept))
+        self._num_cached.pop(request_id, None)  # a new table: its blocks are offered again
         del src_tables[request_id]
-        dst_tables[request_id] = new
+        dst_tables[request_id] = kept + new
         self._release_source(request_id, src, table)
-        return list(zip(table, new))
+        return list(zip(table[len(kept):], new))
 
     def _moved(self, request_id: str) -> bool:
         t = self._transfers.get(request_id)
@@ -204,14 +368,41 @@ class KVManager:
         t = self._transfers.pop(request_id, None)
         if t is None:
             raise ValueError(f"end_transfer({request_id!r}): no transfer in flight")
+        table = self._host_tables.get(request_id, ())
+        for block_hash, h in t.host_copies:  # still its KV (not aborted): the copy landed
+            if self.host_prefix is not None and h in table:
+                self.host_prefix.insert(block_hash, h)
         if t.held_device:
             self.device.free(t.held_device)
         if t.held_host:
             self.host.free(t.held_host)
         return len(t.held_device) + len(t.held_host)
 
+    def begin_plan(self) -> None:
+        """A plan is being built: device blocks evicted from now on are offloaded to host."""
+        self._offloads = []
+
+    def take_offloads(self) -> list[tuple[int, int]]:
+        """(device block, host block) copies of the evicted blocks offloaded so far this plan:
+        for the plan's sync swap-outs."""
+        out = self._offloads or []
+        if self._offloads is not None:
+            self._offloads = []
+        return out
+
+    def _offload(self, block_hash: int, block: int) -> None:
+        """The device cache evicted `block`; keep its KV as a host copy if host has room."""
+        host = self.host_prefix
+        if self._offloads is None or host is None or host.get(block_hash) is not None or not self.host.num_free:
+            return
+        h = self.host.allocate(1)[0]
+        host.insert(block_hash, h)
+        self._plan_held_host.append(h)  # no other copy of this plan may target it
+        self._offloads.append((block, h))
+
     def end_plan(self) -> None:
         """The plan is built: release host blocks its sync swap-ins read (see the contract)."""
+        self._offloads = None
         if self._plan_held_host:
             self.host.free(self._plan_held_host)
             self._plan_held_host = []
@@ -244,19 +435,28 @@ class KVManager:
         return {rid: (list(t.held_device), list(t.held_host)) for rid, t in self._transfers.items()}
 
     def check(self) -> None:
-        """Raise AssertionError unless every block is free or owned exactly once, per tier."""
-        for name, pool, tables, idx in (("device", self.device, self._tables, 0),
-                                        ("host", self.host, self._host_tables, 1)):
-            owned = [b for t in tables.values() for b in t]
-            owned += [b for held in self.held().values() for b in held[idx]]
+        """Raise AssertionError unless, per tier, every block's reference count is the number of
+        its holders (tables, open windows, this plan's held sources, the prefix cache), and a
+        block in more than one place is a cached one (shared prefix); no table is empty."""
+        caches = (self.prefix, self.host_prefix)
+        for name, pool, tables, idx, cache in (("device", self.device, self._tables, 0, caches[0]),
+                                               ("host", self.host, self._host_tables, 1, caches[1])):
+            refs = Counter(b for t in tables.values() for b in t)
+            refs.update(b for held in self.held().values() for b in held[idx])
             if idx == 1:
-                owned += self._plan_held_host
-            if len(owned) != len(set(owned)):
-                raise AssertionError(f"{name}: a block is owned twice")
-            if len(owned) != pool.num_used:
-                raise AssertionError(f"{name}: {len(owned)} owned but {pool.num_used} used (leak)")
-            if any(pool.ref_count(b) != 1 for b in owned):
-                raise AssertionError(f"{name}: an owned block has a reference count other than 1")
+                refs.update(self._plan_held_host)
+                refs.update(b for held in self._pending_host.values() for b in held)
+            cached = cache.blocks() if cache is not None else set()
+            for b, n in refs.items():
+                if n > 1 and b not in cached:
+                    raise AssertionError(f"{name}: block {b} is owned twice")
+            refs.update(cached)
+            if any(pool.ref_count(b) != refs.get(b, 0) for b in range(pool.num_blocks)):
+                raise AssertionError(f"{name}: a reference count differs from the block's holders (leak)")
+            evictable = sum(1 for b in cached if refs[b] == 1)
+            if pool.num_evictable != evictable or pool.num_used != len(refs) - evictable:
+                raise AssertionError(f"{name}: {len(refs)} held, {evictable} evictable, "
+                                     f"but {pool.num_used} used (leak)")
             if any(not t for t in tables.values()):
                 raise AssertionError(f"{name}: an empty table")
         both = self._tables.keys() & self._host_tables.keys()

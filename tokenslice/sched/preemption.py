@@ -73,7 +73,7 @@ class Recompute:
             if len(unprotected) < len(victims):
                 self.protection_blocked = True
                 victims = unprotected
-        freeable = kv.num_free_device_blocks + sum(kv.num_device_blocks(r.request_id) for r in victims)
+        freeable = kv.num_free_device_blocks + kv.reclaimable([r.request_id for r in victims])
         if freeable < need:
             return False
         for victim in victims:
@@ -100,6 +100,21 @@ class Recompute:
     def _upload(self, req: Request, plan: StepPlan) -> bool:
         self.move(req, "in", plan, sync=True)  # in the critical path, before this step's compute
         return True
+
+    def load_host_prefix(self, req: Request, plan: StepPlan) -> None:
+        """Copy a new request's cached prefix from host, before this step's compute: cheaper
+        than its prefill (FastSwitch §3.3, SGLang HiCache)."""
+        pairs = self.kv.load_host_prefix(req.request_id)
+        plan.swap_in.extend(pairs)
+        self.stats.record_swap(req.metrics, "in", len(pairs) * self.swap_block_bytes, len(copy_runs(pairs)))
+
+    def offload_evicted(self, plan: StepPlan) -> None:
+        """Cached device blocks this plan evicted are copied to host before it overwrites them
+        (a prefix cache's host tier, SGLang HiCache)."""
+        pairs = self.kv.take_offloads()
+        if pairs:
+            plan.swap_out.extend(pairs)
+            self.stats.record_offload(len(pairs) * self.swap_block_bytes)
 
     def fast_forward_room(self, free_blocks: int) -> int:
         """Free blocks a repeated decode batch may grow into before something else would act."""

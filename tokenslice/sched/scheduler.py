@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from tokenslice.config import SchedulerConfig
-from tokenslice.kv.manager import KVManager
+from tokenslice.kv.manager import KVManager, PrefixHit
 from tokenslice.plan import SeqSlice, StepPlan, StepResult
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
@@ -86,10 +86,12 @@ class Scheduler:
         plan = StepPlan(finished=self._released)
         self._released = []
         self.preemption.begin_plan(now)
+        self.kv.begin_plan()
         ranked = iter(self.policy.ranked(now))
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
         chosen, stalled, rest = self._fill_batch(ranked, seen, plan, now)
         self.preemption.end_plan(chosen, plan)
+        self.preemption.offload_evicted(plan)
         self.kv.end_plan()
         if not chosen and self.requests and not stalled and not self.kv.num_in_flight:
             self._resolve_stall(seen + list(rest), now)
@@ -128,6 +130,11 @@ class Scheduler:
             on_host = kv.residency(rid) == "host"
             loads = on_host or not holds_kv  # its KV must be loaded: prefilled, recomputed or swapped in
             total = req.num_tokens
+            hit = None
+            if not holds_kv and not on_host and kv.prefix is not None and req.cache_prefix:
+                # Starts from its longest cached prefix: only the rest is computed (vLLM).
+                hit = kv.attach_prefix(rid, total, req.token_ids)
+                computed = hit.num_tokens
             chunk = min(total - computed, budget)
             need = kv.blocks_for_tokens(computed + chunk) if on_host else kv.blocks_needed(rid, computed + chunk)
             if need > kv.device.num_free:
@@ -135,15 +142,28 @@ class Scheduler:
                 it = iter(lower)
                 if not pre.make_room(need, lower, chosen, holds_kv, plan, dropped, loads):
                     admission_blocked = admission_blocked or not holds_kv
+                    if hit is not None:
+                        kv.detach_prefix(rid)
                     continue  # waits for memory: queueing, not swap stall
             if loads and not pre.load(req, on_host, plan):
                 stalled.append(req)
                 continue
+            if hit is not None:
+                self._start_from_prefix(req, hit, plan)
             kv.ensure(rid, computed + chunk)
             chosen.add(rid)
             budget -= chunk
             self._add_slice(req, computed, chunk, computed + chunk == total, plan, now)
         return chosen, stalled, it
+
+    def _start_from_prefix(self, req: Request, hit: PrefixHit, plan: StepPlan) -> None:
+        """The request runs from its cached prefix, counted as computed (vLLM); the part found
+        on host is copied in before this step's compute (FastSwitch §3.3)."""
+        bs = self.kv.block_size
+        req.num_computed_tokens = hit.num_tokens
+        self.stats.record_prefix_lookup(req.num_tokens, hit.device_blocks * bs, hit.host_blocks * bs)
+        if hit.host_blocks:
+            self.preemption.load_host_prefix(req, plan)
 
     def _add_slice(self, req: Request, computed: int, chunk: int, sample: bool, plan: StepPlan, now: float) -> None:
         rid = req.request_id
@@ -184,6 +204,8 @@ class Scheduler:
                 continue
             self.preemption.guard.charge_service(s.request_id, per_token * len(s.token_ids))
             req.num_computed_tokens += len(s.token_ids)
+            if req.cache_prefix:
+                self.kv.cache_computed(s.request_id, req.num_computed_tokens, req.token_ids)
             m = req.metrics
             m.iterations += 1
             m.exec_s += result.step_seconds - sync_s
@@ -254,6 +276,8 @@ class Scheduler:
             m.exec_s = service
             req.output_token_ids.extend(new_tokens)
             m.token_times.extend(ends)
+            if req.cache_prefix:
+                self.kv.cache_computed(req.request_id, req.num_computed_tokens, req.token_ids)
         for req in reqs:  # finishes first, then the policy's charge, as in a single step
             reason = req.stop_reason(token)
             if reason is not None:

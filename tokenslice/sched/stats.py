@@ -16,6 +16,21 @@ class SchedulerStats:
     swap_in_bytes: int = 0
     swap_ops: int = 0  # copy operations: contiguous block runs moved (plan.copy_runs)
     swap_fallbacks: int = 0  # evictions that recomputed because the host tier was full
+    # Prefix cache (vLLM automatic prefix caching), in tokens: prompt tokens of requests that
+    # started with a cache lookup, and those found cached on device or on host.
+    prefix_cache_queries: int = 0
+    prefix_cache_device_hits: int = 0
+    prefix_cache_host_hits: int = 0
+    prefix_cache_offload_bytes: int = 0  # evicted device blocks copied to host
+
+    def record_prefix_lookup(self, queried: int, device_hits: int, host_hits: int) -> None:
+        self.prefix_cache_queries += queried
+        self.prefix_cache_device_hits += device_hits
+        self.prefix_cache_host_hits += host_hits
+
+    def record_offload(self, nbytes: int) -> None:
+        """Evicted cached blocks copied to host: traffic of no request, so not in swap_out_bytes."""
+        self.prefix_cache_offload_bytes += nbytes
 
     def record_preemption(self, m: RequestMetrics) -> None:
         m.preemptions += 1

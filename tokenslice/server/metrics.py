@@ -69,6 +69,14 @@ class _StatsCollector(Collector):
                             c.recomputed_tokens)
         yield self._counter("tokenslice:kv_swap_fallbacks", "Evictions that recomputed because host KV space was full.",
                             c.swap_fallbacks)
+        yield self._counter("tokenslice:prefix_cache_queries",
+                            "Prompt tokens of requests that looked up the prefix cache.", c.prefix_cache_queries)
+        hits = CounterMetricFamily("tokenslice:prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache, by tier (device, host).",
+                                   labels=[*LABELS, "tier"])
+        hits.add_metric([self.model_name, "device"], c.prefix_cache_device_hits)
+        hits.add_metric([self.model_name, "host"], c.prefix_cache_host_hits)
+        yield hits
         yield self._counter("tokenslice:engine_faults", "Engine steps that raised.", s.num_faults)
 
 
