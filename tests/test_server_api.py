@@ -61,6 +61,25 @@ def test_metrics_names(srv: RunningServer, client: openai.OpenAI) -> None:
     assert m["tokenslice:kv_cache_num_blocks"] == 64
 
 
+def test_per_user_metrics(srv: RunningServer, client: openai.OpenAI) -> None:
+    """Service and latency per OpenAI `user` (fair-share serving); requests without one count as _none."""
+    before = srv.metrics()
+    for user, n in (("alice", 3), ("bob", 5), ("alice", 4)):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=n, user=user, extra_body={"ignore_eos": True})
+    m = srv.metrics()
+
+    def delta(key: str) -> float:
+        return m.get(key, 0.0) - before.get(key, 0.0)
+
+    label = 'model_name="{}",user="{}"'
+    assert delta("tokenslice:user_generation_tokens_total{" + label.format(MODEL, "alice") + "}") == 7
+    assert delta("tokenslice:user_generation_tokens_total{" + label.format(MODEL, "bob") + "}") == 5
+    assert delta("tokenslice:user_prompt_tokens_total{" + label.format(MODEL, "bob") + "}") == n_tokens(srv, PROMPT)
+    assert delta("tokenslice:user_e2e_request_latency_seconds_count{" + label.format(MODEL, "alice") + "}") == 2
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"ignore_eos": True})
+    assert srv.metrics()["tokenslice:user_generation_tokens_total{" + label.format(MODEL, "_none") + "}"] >= 2
+
+
 # ---- completions --------------------------------------------------------------------------------
 def test_completion_usage_counts(srv: RunningServer, client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, extra_body={"ignore_eos": True})
@@ -309,3 +328,14 @@ def test_priority_route_refused_by_policies_without_priorities(srv: RunningServe
     assert "--policy priority" in r.json()["error"]["message"]
     r = httpx.post(srv.url("/v1/requests/cmpl-x/priority"), json={"priority": 0}, timeout=30)
     assert r.status_code == 404  # 0 changes nothing under any policy; the request is not live
+
+
+def test_per_user_series_are_bounded() -> None:
+    from tokenslice.engine.async_engine import EngineStats
+    from tokenslice.server.metrics import MAX_METRIC_USERS, OTHER_USERS, ServerMetrics
+
+    sm = ServerMetrics("m", stats=EngineStats, queued=lambda: 0)
+    labels = [sm._user_label(f"u{i}") for i in range(MAX_METRIC_USERS + 5)]
+    assert labels[:MAX_METRIC_USERS] == [f"u{i}" for i in range(MAX_METRIC_USERS)]
+    assert set(labels[MAX_METRIC_USERS:]) == {OTHER_USERS}
+    assert sm._user_label("u0") == "u0"  # a known user keeps its series

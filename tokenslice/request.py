@@ -205,6 +205,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     metrics: RequestMetrics | None = None
+    user: str | None = None  # the request's OpenAI `user` (per-user metrics)
 
 
 @dataclass

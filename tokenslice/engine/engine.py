@@ -350,7 +350,7 @@ class Engine:
         if det is not None and done:
             det.add([], final=True)  # release bytes held back waiting for a character to complete
         return RequestOutput(req.request_id, new_ids, det.delta(done) if det else "", done,
-                             req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, req.metrics)
+                             req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, req.metrics, req.user)
 
     def replay(self, trace: list[TraceItem], *, on_finish: Any = None,
                priority_updates: PriorityUpdates | None = None) -> list[Request]:

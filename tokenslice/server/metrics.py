@@ -17,6 +17,12 @@ from tokenslice.engine.async_engine import EngineStats
 from tokenslice.request import RequestOutput
 
 LABELS = ["model_name"]
+USER_LABELS = ["model_name", "user"]
+# Per-user series are labelled by the client's `user` string: past this many distinct users the
+# rest share one series, so a client cannot grow the scrape without bound.
+MAX_METRIC_USERS = 100
+OTHER_USERS = "_other"
+NO_USER = "_none"
 # Seconds; fine at the low end because CPU decode steps take milliseconds.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -99,17 +105,38 @@ class ServerMetrics:
                              LABELS, buckets=REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram("tokenslice:request_queue_time_seconds", "Arrival to first scheduled.",
                                     LABELS, buckets=REQUEST_BUCKETS, registry=r)
+        # Per user (fair-share policies, FastSwitch / VTC): the service each user got and its latency.
+        self.user_prompt_tokens = Counter("tokenslice:user_prompt_tokens", "Prefill tokens processed, per user.",
+                                          USER_LABELS, registry=r)
+        self.user_generation_tokens = Counter("tokenslice:user_generation_tokens", "Tokens generated, per user.",
+                                              USER_LABELS, registry=r)
+        self.user_e2e = Histogram("tokenslice:user_e2e_request_latency_seconds", "Arrival to finish, per user.",
+                                  USER_LABELS, buckets=REQUEST_BUCKETS, registry=r)
+        self._users: set[str] = set()
         r.register(_StatsCollector(model_name, stats, queued))
+
+    def _user_label(self, user: str | None) -> str:
+        if user is None:
+            return NO_USER
+        if user in self._users:
+            return user
+        if len(self._users) < MAX_METRIC_USERS:
+            self._users.add(user)
+            return user
+        return OTHER_USERS
 
     def observe(self, out: RequestOutput) -> None:
         """Record one engine output; called in the engine loop thread right after the step,
         while `out.metrics` (the request's live record) is consistent."""
         m = out.metrics
         model = self.model_name
+        user = self._user_label(out.user)
         if out.new_token_ids:
             self.generation_tokens.labels(model).inc(len(out.new_token_ids))
+            self.user_generation_tokens.labels(model, user).inc(len(out.new_token_ids))
             if m is not None and out.num_output_tokens == len(out.new_token_ids):  # its first token
                 self.prompt_tokens.labels(model).inc(out.num_prompt_tokens)
+                self.user_prompt_tokens.labels(model, user).inc(out.num_prompt_tokens)
                 if m.ttft is not None:
                     self.ttft.labels(model).observe(m.ttft)
                 if m.first_scheduled_time is not None:
@@ -120,6 +147,7 @@ class ServerMetrics:
             self.request_success.labels(model, out.finish_reason or "unknown").inc()
             if m is not None and m.e2e is not None:
                 self.e2e.labels(model).observe(m.e2e)
+                self.user_e2e.labels(model, user).observe(m.e2e)
 
     def reject(self, status: int) -> None:
         self.rejected.labels(self.model_name, str(status)).inc()
