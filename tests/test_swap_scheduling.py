@@ -9,7 +9,7 @@ import dataclasses
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenslice.config import PREEMPTION_MODES, SchedulerConfig
+from tokenslice.config import PREEMPTION_MODES, SWAP_IN_MODES, SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.plan import StepPlan
 from tokenslice.predict.cost import load_cost_model
@@ -19,9 +19,9 @@ COST = load_cost_model("opt-13b@a100-40gb")
 
 
 def _checked_engine(mode: str, device: int, host: int, policy: str = "skip-join-mlfq",
-                    amortization: float = 16.0) -> Engine:
+                    amortization: float = 16.0, swap_in: str = "mode") -> Engine:
     cfg = SchedulerConfig(policy=policy, preemption=mode, max_batch_size=4, max_tokens_per_step=64,
-                          starvation_limit_s=0.05, eviction_amortization=amortization)
+                          starvation_limit_s=0.05, eviction_amortization=amortization, swap_in=swap_in)
     eng = Engine.simulated(cfg, COST, kv_cache_blocks=device, block_size=4, host_kv_blocks=host)
     eng.fast_forward = False
     sched, kv = eng.scheduler, eng.scheduler.kv
@@ -47,9 +47,9 @@ ops = st.lists(st.tuples(st.sampled_from(["arrive", "arrive", "step", "step", "s
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mode=st.sampled_from(PREEMPTION_MODES), device=st.integers(12, 30), host=st.integers(0, 60), ops=ops,
-       policy=st.sampled_from(["skip-join-mlfq", "srpt-predicted"]))
-def test_random_lifecycles_keep_every_invariant(mode, device, host, ops, policy):
-    eng = _checked_engine(mode, device, host, policy)
+       policy=st.sampled_from(["skip-join-mlfq", "srpt-predicted"]), swap_in=st.sampled_from(SWAP_IN_MODES))
+def test_random_lifecycles_keep_every_invariant(mode, device, host, ops, policy, swap_in):
+    eng = _checked_engine(mode, device, host, policy, swap_in=swap_in)
     live: list[str] = []
     for i, (op, a, b) in enumerate(ops):
         if op == "arrive":

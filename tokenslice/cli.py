@@ -95,6 +95,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="reuse cached KV of shared prompt prefixes (on by default)")
     flag(SchedulerConfig, "policy", choices=list(POLICY_NAMES))
     flag(SchedulerConfig, "preemption")
+    flag(SchedulerConfig, "swap_in",
+         help="swap-ins: as the mode does, sync, async, or adaptive from measured copy times (FastSwitch)")
+    flag(SchedulerConfig, "swap_in_async_fraction",
+         help="adaptive swap-in: async once a copy's expected time exceeds this share of a step")
     flag(SchedulerConfig, "max_batch_size")
     flag(SchedulerConfig, "max_tokens_per_step")
     flag(EngineConfig, "profile",

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 PREEMPTION_MODES = ("defer", "recompute", "reactive-swap", "proactive-swap")
+# When a swap-in is copied (FastSwitch §3.2): as its mode does, always before the step's compute,
+# always overlapping it, or chosen per copy from measured swap statistics.
+SWAP_IN_MODES = ("mode", "sync", "async", "adaptive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # model weights and device KV
 OFFLOAD_DTYPES = ("auto", "int8")  # host KV: as on device, or per-channel int8 (ALISE §3.2)
 EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
@@ -114,6 +117,16 @@ class SchedulerConfig:
     # share of service reached this many times its load time (0: off), so loads cost at most
     # 1/16 of useful work: below the 5% slack of a system at rho = 0.95. See Scheduler._protect.
     eviction_amortization: float = 16.0
+    # Swap-ins in the swap modes (a preempted request's KV, a new request's prefix found on host),
+    # FastSwitch §3.2: "mode" keeps each mode's own (reactive-swap: sync, in the step's critical
+    # path; proactive-swap: async, overlapping compute, the request runs next step); "sync" /
+    # "async" force one; "adaptive" goes async when the copy's expected time exceeds
+    # swap_in_async_fraction x the expected step time, both moving averages of measured copies
+    # and steps (the cost model, else the mode's own choice, before any measurement). A sync
+    # copy stalls every request of the batch; an async one delays one request by a step, so
+    # with batches of ~10 requests async pays once a copy costs a tenth of a step.
+    swap_in: str = field(default="mode", metadata={"choices": SWAP_IN_MODES})
+    swap_in_async_fraction: float = 0.1
     # srpt-predicted virtual aging (ALISE §3.1): a job's priority is its estimated remaining
     # execution time minus srpt_aging x its time in the system, so each second waited cancels
     # srpt_aging seconds of predicted work. 0 is pure SRPT (long jobs may starve); large values
@@ -143,6 +156,9 @@ class SchedulerConfig:
         if self.starvation_limit_s is not None and self.starvation_limit_s <= 0:
             raise ValueError(f"starvation_limit_s must be > 0, got {self.starvation_limit_s}")
         _check_choice("preemption", self.preemption, PREEMPTION_MODES)
+        _check_choice("swap_in", self.swap_in, SWAP_IN_MODES)
+        if not 0.0 <= self.swap_in_async_fraction < float("inf"):  # also refuses NaN
+            raise ValueError(f"swap_in_async_fraction must be a finite number >= 0, got {self.swap_in_async_fraction}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.burst_reserve_jobs < 0 or self.burst_reserve_queues < 0:

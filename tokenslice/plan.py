@@ -94,3 +94,6 @@ class StepResult:
     # Async transfers (of this or earlier plans) that completed; an empty plan with transfers
     # in flight waits for at least one, so the engine never spins.
     transfers_done: list[str] = field(default_factory=list)
+    # Copy seconds of the reported transfers that were measured (request id -> seconds, queueing
+    # excluded): swap statistics for the adaptive swap-in choice (FastSwitch §3.2).
+    transfer_durations: dict[str, float] = field(default_factory=dict)

@@ -44,7 +44,7 @@ class SimulatedExecutor:
         self.clock = clock
         self.block_bytes = block_bytes  # one block as moved over the host link
         self._link_free = {"out": 0.0, "in": 0.0}  # when each direction's channel is idle
-        self._pending: list[tuple[float, int, str]] = []  # (done time, order, request id)
+        self._pending: list[tuple[float, int, str, float]] = []  # (done time, order, request id, copy seconds)
         self._order = 0
 
     def copy_seconds(self, pairs: list[tuple[int, int]]) -> float:
@@ -85,15 +85,19 @@ class SimulatedExecutor:
                 self._link_free[direction] = max(self._link_free[direction], t0) + d
         for t in plan.async_transfers:
             start = max(t0 + sync_s, self._link_free[t.direction])
-            done = start + self.copy_seconds(t.pairs)
+            copy_s = self.copy_seconds(t.pairs)
+            done = start + copy_s
             self._link_free[t.direction] = done
-            heapq.heappush(self._pending, (done, self._order, t.request_id))
+            heapq.heappush(self._pending, (done, self._order, t.request_id, copy_s))
             self._order += 1
         sampled = {s.request_id: PLACEHOLDER_TOKEN for s in plan.slices if s.sample}
         step = sync_s + (0.0 if plan.is_empty else self.cost.iteration_seconds(self.shape(plan)))
         if step == 0.0 and self._pending:  # nothing to compute: wait for the next copy
             step = max(0.0, self._pending[0][0] - t0)
-        done_ids = []
+        done_ids, durations = [], {}
         while self._pending and self._pending[0][0] <= t0 + step:
-            done_ids.append(heapq.heappop(self._pending)[2])
-        return StepResult(sampled=sampled, step_seconds=step, transfer_seconds=sync_s, transfers_done=done_ids)
+            _, _, rid, copy_s = heapq.heappop(self._pending)
+            done_ids.append(rid)
+            durations[rid] = copy_s
+        return StepResult(sampled=sampled, step_seconds=step, transfer_seconds=sync_s, transfers_done=done_ids,
+                          transfer_durations=durations)

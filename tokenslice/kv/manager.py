@@ -39,8 +39,8 @@ The host tier caches too (FastSwitch §3.3, SGLang HiCache), when there is one: 
 request's full computed blocks are cached on host under the same hashes, and the host copy
 outlives the swap-in (the source is only evictable afterwards). So a request swapped out again
 copies only the blocks without a valid host copy, and a new request whose prefix continues on
-host gets those blocks copied in (`load_host_prefix`, a sync swap-in of this plan) instead of
-prefilled. Likewise a swap-in shares the leading blocks still cached on device and copies only
+host gets those blocks copied in (`load_host_prefix`, a swap-in of this plan, sync or inside
+the request's transfer window like any async swap-in) instead of prefilled. Likewise a swap-in shares the leading blocks still cached on device and copies only
 the rest. A host block reused for anything else is evicted from the cache first: a copy is
 never found after its block was overwritten ("contamination"). Host copies of an async
 swap-out are cached only at end_transfer, once the copy landed (never for an aborted one).
@@ -218,8 +218,9 @@ class KVManager:
 
     def load_host_prefix(self, request_id: str) -> list[tuple[int, int]]:
         """Device blocks for the request's host prefix hits, after its attached device blocks;
-        returns the (host block, device block) pairs for this plan's synchronous swap-in. The
-        host sources stay held until end_plan (the transfer contract's sync swap-in)."""
+        returns the (host block, device block) pairs to copy in. The host sources stay held
+        until end_plan (a sync swap-in) or, inside the request's transfer window (an async
+        one), until end_transfer: the transfer contract either way."""
         host = self._pending_host.pop(request_id, None)
         if not host:
             return []
@@ -229,7 +230,12 @@ class KVManager:
             self._tables[request_id] = list(new)
         else:
             table.extend(new)
-        self._plan_held_host.extend(host)
+        t = self._transfers.get(request_id)
+        if t is None:
+            self._plan_held_host.extend(host)
+        else:
+            t.moved = True
+            t.held_host.extend(host)
         return list(zip(host, new))
 
     def detach_prefix(self, request_id: str) -> None:

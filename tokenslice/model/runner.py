@@ -104,6 +104,8 @@ class ModelRunner:
         self.transfer_threads = transfer_threads
         self._engine: TransferEngine | None = None  # started by the first async transfer
         self._streams: dict[str, torch.cuda.Stream] = {}  # CUDA side streams, one per direction
+        # Copy seconds of finished async jobs, written by a worker before it reports the job done.
+        self._async_seconds: dict[str, float] = {}
         # How long an empty step waits for an async transfer before returning to the engine.
         self.idle_wait_s = 0.05
         self.sampler = Sampler(self.device, seed)
@@ -140,8 +142,9 @@ class ModelRunner:
             done = self._engine.poll()
             if plan.is_empty and not done and self._engine.pending():
                 done = self._engine.wait_any(self.idle_wait_s)  # nothing to compute: do not spin
+        durations = {rid: self._async_seconds.pop(rid) for rid in done if rid in self._async_seconds}
         return StepResult(sampled=sampled, step_seconds=time.perf_counter() - t0,
-                          transfer_seconds=transfer_seconds, transfers_done=done)
+                          transfer_seconds=transfer_seconds, transfers_done=done, transfer_durations=durations)
 
     def _compute(self, plan: StepPlan) -> dict[str, int]:
         t0 = time.perf_counter()
@@ -252,23 +255,30 @@ class ModelRunner:
             runs = self._checked_runs(t.pairs, t.direction)
             self._account(len(t.pairs), len(runs), t.direction)
             stream = self._stream(t.direction) if ready is not None else None
-            self._engine.submit(t.request_id, self._async_job(runs, t.direction, stream, ready))
+            self._engine.submit(t.request_id, self._async_job(t.request_id, runs, t.direction, stream, ready))
 
-    def _async_job(self, runs: list[tuple[int, int, int]], direction: Direction,
+    def _async_job(self, request_id: str, runs: list[tuple[int, int, int]], direction: Direction,
                    stream: torch.cuda.Stream | None, ready: torch.cuda.Event | None) -> Callable[[], None]:
         """The copy a worker runs. The caller guarantees (KVManager transfer windows) that no
-        compute touches these blocks and the request is not scheduled until it is reported."""
+        compute touches these blocks and the request is not scheduled until it is reported.
+        Its copy seconds (on CUDA: between events on the side stream, so waiting for the
+        compute stream is excluded) are kept for StepResult.transfer_durations."""
         def job() -> None:
             with torch.inference_mode():
                 if stream is None or ready is None:
+                    t0 = time.perf_counter()
                     self._copy_runs(runs, direction)
+                    self._async_seconds[request_id] = time.perf_counter() - t0
                     return
                 with torch.cuda.device(self.device), torch.cuda.stream(stream):
                     stream.wait_event(ready)
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record(stream)
                     self._copy_runs(runs, direction)
-                    done = torch.cuda.Event()
+                    done = torch.cuda.Event(enable_timing=True)
                     done.record(stream)
                 done.synchronize()  # report the request only once the DMA landed
+                self._async_seconds[request_id] = start.elapsed_time(done) / 1000.0
         return job
 
     def _stream(self, direction: Direction) -> torch.cuda.Stream:

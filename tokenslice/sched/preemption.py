@@ -9,11 +9,12 @@ from typing import Any
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.kv.manager import KVManager
-from tokenslice.plan import BlockTransfer, Direction, StepPlan, copy_runs
+from tokenslice.plan import BlockTransfer, Direction, StepPlan, StepResult, copy_runs
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
 from tokenslice.sched.protection import EvictionGuard
 from tokenslice.sched.stats import SchedulerStats
+from tokenslice.sched.swap_in import SwapInChoice
 
 
 class Recompute:
@@ -22,6 +23,7 @@ class Recompute:
     mode = "recompute"
     uses_host_tier = False
     new_work_evicts = True  # a request without KV may evict others to start
+    async_swap_in = False  # the mode's own swap-in: in the step's critical path
 
     def __init__(self, config: SchedulerConfig, policy: Policy, kv: KVManager, ctx: PolicyContext,
                  stats: SchedulerStats, requests: dict[str, Request], swap_block_bytes: int = 0) -> None:
@@ -36,6 +38,8 @@ class Recompute:
         self.protection_blocked = False  # the last plan skipped a victim for its protection
         self._now = 0.0
         self._enst: dict[str, float] | None = None  # next-run estimates, once per plan on demand
+        self.swap_in = SwapInChoice(config.swap_in, config.swap_in_async_fraction, self.async_swap_in)
+        self._async_blocks: dict[str, int] = {}  # blocks of each async copy in flight, for its statistics
 
     # ---- one plan ---------------------------------------------------------------------------
     def begin_plan(self, now: float) -> None:
@@ -92,21 +96,46 @@ class Recompute:
         asynchronous upload completes."""
         rid = req.request_id
         if on_host:
-            self.guard.protect(rid, self._swap_seconds(len(self.kv.host_blocks(rid))))
-            return self._upload(req, plan)
+            num_blocks = len(self.kv.host_blocks(rid))
+            self.guard.protect(rid, self._swap_seconds(num_blocks))
+            sync = not self._async_swap_in(num_blocks)
+            self.move(req, "in", plan, sync=sync)
+            return sync
         self.guard.protect(rid, self.ctx.first_iteration_s(req.num_tokens - 1))
         return True
 
-    def _upload(self, req: Request, plan: StepPlan) -> bool:
-        self.move(req, "in", plan, sync=True)  # in the critical path, before this step's compute
-        return True
-
-    def load_host_prefix(self, req: Request, plan: StepPlan) -> None:
-        """Copy a new request's cached prefix from host, before this step's compute: cheaper
-        than its prefill (FastSwitch §3.3, SGLang HiCache)."""
-        pairs = self.kv.load_host_prefix(req.request_id)
-        plan.swap_in.extend(pairs)
+    def load_host_prefix(self, req: Request, num_blocks: int, plan: StepPlan) -> bool:
+        """Copy a new request's cached prefix of `num_blocks` blocks from host: cheaper than
+        its prefill (FastSwitch §3.3, SGLang HiCache). Sync or async as a swap-in (FastSwitch
+        §3.2); False: the copy overlaps this step and the request runs once it landed."""
+        rid = req.request_id
+        sync = not self._async_swap_in(num_blocks)
+        if not sync:
+            self.kv.begin_transfer(rid)
+        pairs = self.kv.load_host_prefix(rid)
+        if sync:
+            plan.swap_in.extend(pairs)
+        else:
+            plan.async_transfers.append(BlockTransfer(rid, "in", pairs))
+            self._async_blocks[rid] = len(pairs)
         self.stats.record_swap(req.metrics, "in", len(pairs) * self.swap_block_bytes, len(copy_runs(pairs)))
+        return sync
+
+    def _async_swap_in(self, num_blocks: int) -> bool:
+        model_s = self._swap_seconds(num_blocks) if self.ctx.cost else None
+        return self.swap_in.is_async(num_blocks, model_s)
+
+    def observe(self, plan: StepPlan, result: StepResult) -> None:
+        """Swap statistics of a finished step (FastSwitch §3.2): its sync copies and compute,
+        and the async copies it reported."""
+        sync_blocks = len(plan.swap_out) + len(plan.swap_in)
+        self.swap_in.observe_copy(sync_blocks, result.transfer_seconds)
+        if plan.num_tokens:
+            self.swap_in.observe_step(result.step_seconds - result.transfer_seconds)
+        for rid in result.transfers_done:
+            num_blocks = self._async_blocks.pop(rid, 0)
+            if rid in result.transfer_durations:
+                self.swap_in.observe_copy(num_blocks, result.transfer_durations[rid])
 
     def offload_evicted(self, plan: StepPlan) -> None:
         """Cached device blocks this plan evicted are copied to host before it overwrites them
@@ -146,6 +175,7 @@ class Recompute:
             (plan.swap_out if direction == "out" else plan.swap_in).extend(pairs)
         else:
             plan.async_transfers.append(BlockTransfer(rid, direction, pairs))
+            self._async_blocks[rid] = len(pairs)
         self.stats.record_swap(req.metrics, direction, len(pairs) * self.swap_block_bytes, len(copy_runs(pairs)))
         if direction == "out":
             self.preempt(req)
@@ -165,7 +195,8 @@ class Defer(Recompute):
 
 class ReactiveSwap(Recompute):
     """`reactive-swap`: a victim's KV is copied to host (recomputed only when host is full) and
-    copied back, in the critical path, when it runs again."""
+    copied back, in the critical path, when it runs again (SchedulerConfig.swap_in may choose
+    otherwise)."""
 
     mode = "reactive-swap"
     uses_host_tier = True
@@ -183,6 +214,7 @@ class ProactiveSwap(ReactiveSwap):
     are offloaded ahead of need to keep a reserve of free blocks for bursts."""
 
     mode = "proactive-swap"
+    async_swap_in = True  # uploads overlap this step's compute; the job runs next step
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -193,10 +225,6 @@ class ProactiveSwap(ReactiveSwap):
     def on_arrival(self, req: Request) -> None:
         self._prompt_tokens += req.num_prompt_tokens
         self._num_arrivals += 1
-
-    def _upload(self, req: Request, plan: StepPlan) -> bool:
-        self.move(req, "in", plan, sync=False)  # overlaps this step's compute; runs next step
-        return False
 
     def fast_forward_room(self, free_blocks: int) -> int:
         # Crossing into the burst reserve starts offloads: an event.

@@ -148,22 +148,25 @@ class Scheduler:
             if loads and not pre.load(req, on_host, plan):
                 stalled.append(req)
                 continue
-            if hit is not None:
-                self._start_from_prefix(req, hit, plan)
+            if hit is not None and not self._start_from_prefix(req, hit, plan):
+                stalled.append(req)  # its host prefix is copied in during this step
+                continue
             kv.ensure(rid, computed + chunk)
             chosen.add(rid)
             budget -= chunk
             self._add_slice(req, computed, chunk, computed + chunk == total, plan, now)
         return chosen, stalled, it
 
-    def _start_from_prefix(self, req: Request, hit: PrefixHit, plan: StepPlan) -> None:
+    def _start_from_prefix(self, req: Request, hit: PrefixHit, plan: StepPlan) -> bool:
         """The request runs from its cached prefix, counted as computed (vLLM); the part found
-        on host is copied in before this step's compute (FastSwitch §3.3)."""
+        on host is copied in (FastSwitch §3.3). False: that copy overlaps this step's compute
+        and the request runs once it landed."""
         bs = self.kv.block_size
         req.num_computed_tokens = hit.num_tokens
         self.stats.record_prefix_lookup(req.num_tokens, hit.device_blocks * bs, hit.host_blocks * bs)
         if hit.host_blocks:
-            self.preemption.load_host_prefix(req, plan)
+            return self.preemption.load_host_prefix(req, hit.host_blocks, plan)
+        return True
 
     def _add_slice(self, req: Request, computed: int, chunk: int, sample: bool, plan: StepPlan, now: float) -> None:
         rid = req.request_id
@@ -188,6 +191,7 @@ class Scheduler:
         """Record computed and sampled tokens; returns requests that got a new token."""
         ran: list[Request] = []
         produced: list[Request] = []
+        self.preemption.observe(plan, result)
         for rid in result.transfers_done:  # also for requests aborted mid-transfer
             if self.kv.in_flight(rid):
                 self.kv.end_transfer(rid)
