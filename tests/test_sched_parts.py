@@ -14,8 +14,7 @@ from tokenslice.engine.engine import Engine
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.request import Request, SamplingParams
 from tokenslice.sched.policy import LiveSetPolicy, Policy
-from tokenslice.sched.preemption import PREEMPTION_STRATEGIES
-from tokenslice.sched.registry import POLICY_NAMES, make_policy
+from tokenslice.sched.registry import POLICY_NAMES, PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler
 
 COST = load_cost_model("opt-13b@a100-40gb")

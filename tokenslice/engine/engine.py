@@ -23,8 +23,7 @@ from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestE
                                 SamplingParams)
 from tokenslice.predict.cost import CostModel, load_cost_model
 from tokenslice.sched.policy import PolicyContext
-from tokenslice.sched.preemption import PREEMPTION_STRATEGIES
-from tokenslice.sched.registry import make_policy
+from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler
 
 log = logging.getLogger(__name__)

@@ -144,6 +144,23 @@ class KVManager:
         """Extra device blocks a request needs so that `num_tokens` tokens fit."""
         return max(0, self.blocks_for_tokens(num_tokens) - self.num_device_blocks(request_id))
 
+    def steps_that_fit(self, seqs: list[tuple[str, int]], max_steps: int, free_blocks: int) -> int:
+        """The most steps k <= max_steps for which growing every (request, tokens) by k tokens
+        needs at most `free_blocks` new device blocks (growth is monotone in k: bisect)."""
+        def growth(steps: int) -> int:
+            return sum(self.blocks_needed(rid, tokens + steps) for rid, tokens in seqs)
+
+        if growth(max_steps) <= free_blocks:
+            return max_steps
+        lo, hi = 0, max_steps
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if growth(mid) <= free_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def ensure(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the request's table to hold `num_tokens` tokens; returns the new blocks."""
         need = self.blocks_needed(request_id, num_tokens)

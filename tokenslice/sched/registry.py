@@ -1,5 +1,6 @@
-"""Policies by name (DESIGN.md, "Names shared by CLI, config and results"). Its own module so
-that policy modules import only the base class, and nothing imports in a cycle."""
+"""Policies and preemption strategies by name (DESIGN.md, "Names shared by CLI, config and
+results"). Its own module so that policy and strategy modules import only their base classes,
+and nothing imports in a cycle."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,6 +11,8 @@ from tokenslice.sched.fcfs import FCFSPolicy, RequestLevelPolicy
 from tokenslice.sched.fixed_priority import FixedPriorityPolicy
 from tokenslice.sched.mlfq import SkipJoinMLFQPolicy
 from tokenslice.sched.policy import Policy, PolicyContext
+from tokenslice.sched.preemption import Defer, ReactiveSwap, Recompute
+from tokenslice.sched.proactive import ProactiveSwap
 from tokenslice.sched.speculative import SpeculativeSRPTPolicy
 from tokenslice.sched.srpt import SRPTOraclePolicy
 
@@ -32,3 +35,7 @@ def make_policy(name: str, ctx: PolicyContext | None = None) -> Policy:
     if builder is None:
         raise ValueError(f"unknown policy {name!r}; available: {', '.join(POLICY_NAMES)}")
     return builder(ctx or PolicyContext(SchedulerConfig(policy=name)))
+
+
+# The memory modes (config.PREEMPTION_MODES), each with its strategy.
+PREEMPTION_STRATEGIES: dict[str, type[Recompute]] = {c.mode: c for c in (Defer, Recompute, ReactiveSwap, ProactiveSwap)}

@@ -10,7 +10,7 @@ from tokenslice.kv.manager import KVManager, PrefixHit
 from tokenslice.plan import SeqSlice, StepPlan, StepResult
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
-from tokenslice.sched.preemption import PREEMPTION_STRATEGIES
+from tokenslice.sched.registry import PREEMPTION_STRATEGIES
 from tokenslice.sched.stats import SchedulerStats
 
 
@@ -130,10 +130,8 @@ class Scheduler:
             on_host = kv.residency(rid) == "host"
             loads = on_host or not holds_kv  # its KV must be loaded: prefilled, recomputed or swapped in
             total = req.num_tokens
-            hit = None
-            if not holds_kv and not on_host and kv.prefix is not None and req.cache_prefix:
-                # Starts from its longest cached prefix: only the rest is computed (vLLM).
-                hit = kv.attach_prefix(rid, total, req.token_ids)
+            hit = None if holds_kv or on_host else self._attach_prefix(req)
+            if hit is not None:
                 computed = hit.num_tokens
             chunk = min(total - computed, budget)
             need = kv.blocks_for_tokens(computed + chunk) if on_host else kv.blocks_needed(rid, computed + chunk)
@@ -145,17 +143,21 @@ class Scheduler:
                     if hit is not None:
                         kv.detach_prefix(rid)
                     continue  # waits for memory: queueing, not swap stall
-            if loads and not pre.load(req, on_host, plan):
-                stalled.append(req)
-                continue
-            if hit is not None and not self._start_from_prefix(req, hit, plan):
-                stalled.append(req)  # its host prefix is copied in during this step
+            if ((loads and not pre.load(req, on_host, plan))
+                    or (hit is not None and not self._start_from_prefix(req, hit, plan))):
+                stalled.append(req)  # its KV (or cached host prefix) is copied in during this step
                 continue
             kv.ensure(rid, computed + chunk)
             chosen.add(rid)
             budget -= chunk
             self._add_slice(req, computed, chunk, computed + chunk == total, plan, now)
         return chosen, stalled, it
+
+    def _attach_prefix(self, req: Request) -> PrefixHit | None:
+        """A new request starts from its longest cached prefix: only the rest is computed (vLLM)."""
+        if self.kv.prefix is None or not req.cache_prefix:
+            return None
+        return self.kv.attach_prefix(req.request_id, req.num_tokens, req.token_ids)
 
     def _start_from_prefix(self, req: Request, hit: PrefixHit, plan: StepPlan) -> bool:
         """The request runs from its cached prefix, counted as computed (vLLM); the part found
@@ -245,22 +247,8 @@ class Scheduler:
         k = min([max_steps] + [r.tokens_until_forced_stop for r in reqs])
         if k <= 0:
             return 0
-        kv = self.kv
-
-        def growth(steps: int) -> int:
-            return sum(kv.blocks_needed(r.request_id, r.num_computed_tokens + steps) for r in reqs)
-
-        room = self.preemption.fast_forward_room(kv.device.num_free)
-        if growth(k) > room:  # largest k whose growth fits (growth is monotone)
-            lo, hi = 0, k
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if growth(mid) <= room:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            k = lo
-        return k
+        room = self.preemption.fast_forward_room(self.kv.device.num_free)
+        return self.kv.steps_that_fit([(r.request_id, r.num_computed_tokens) for r in reqs], k, room)
 
     def repeat_decode(self, reqs: list[Request], durations: list[float], ends: list[float],
                       token: int) -> None:
