@@ -1,45 +1,13 @@
 """Block groups on or off (FastSwitch §3.1): off, KV blocks come from a plain free list and a swap
 moves one copy per block as vLLM; on, a request's KV sits in few contiguous runs. The toggle
-changes how many copies a swap takes, never what is generated."""
+changes how many copies a swap takes, never what is generated (on the real engine:
+tests/test_kv_swap_engine.py)."""
 from __future__ import annotations
 
-import random
-
-from conftest import STORIES
-from tokenslice import LLM, SamplingParams
 from tokenslice.bench.simulate import SweepSpec, simulate_run
 from tokenslice.bench.workloads import PriorityPattern, make_workload
 from tokenslice.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenslice.predict.cost import load_cost_model
-
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-_RNG = random.Random(1)
-LONG = [[1] + [_RNG.randrange(3, 500) for _ in range(50)] for _ in range(6)]
-SHORT = [[1] + [_RNG.randrange(3, 500) for _ in range(3)] for _ in range(6)]
-
-
-def _waves(block_groups: bool) -> tuple[list[list[int]], int, int]:
-    # Long prompts start, short ones arrive and outrank them (fixed-priority): residents swap out.
-    with LLM(str(STORIES), policy="fixed-priority", preemption="reactive-swap", kv_cache_blocks=14,
-             max_batch_size=4, host_kv_blocks=64, eviction_amortization=0.0, enable_prefix_caching=False,
-             block_groups=block_groups) as llm:
-        eng = llm.engine
-        reqs = [eng.add_request(p, GREEDY) for p in LONG]
-        for _ in range(5):
-            eng.step()
-        reqs += [eng.add_request(p, GREEDY) for p in SHORT]
-        while eng.has_unfinished():
-            eng.step()
-        stats = eng.scheduler.stats
-        return [r.output_token_ids for r in reqs], stats.swap_ops, stats.swap_out_bytes
-
-
-def test_real_engine_same_tokens_more_copies_without_block_groups() -> None:
-    on_tokens, on_ops, on_bytes = _waves(True)
-    off_tokens, off_ops, off_bytes = _waves(False)
-    assert off_tokens == on_tokens
-    assert on_bytes > 0 and off_bytes == on_bytes  # the same swaps, moved in more pieces
-    assert off_ops > on_ops
 
 
 def test_simulated_swaps_take_more_copies_without_block_groups() -> None:
