@@ -89,6 +89,20 @@ def test_swaps_really_happen_and_change_nothing(wave_reference, preemption):
         assert sched.kv.device.num_free == 14 and sched.kv.host.num_free == 64
 
 
+def test_block_groups_off_same_tokens_more_copies(wave_reference):
+    path, alone = wave_reference
+    # --no-block-groups (vLLM's placement, FastSwitch §3.1's baseline): the same swaps, one copy per block.
+    stats = {}
+    for groups in (True, False):
+        with LLM(path, policy="fixed-priority", preemption="reactive-swap", kv_cache_blocks=14, max_batch_size=4,
+                 host_kv_blocks=64, eviction_amortization=0.0, enable_prefix_caching=False,
+                 block_groups=groups) as llm:
+            assert _run_waves(llm) == alone
+            stats[groups] = llm.engine.scheduler.stats
+    assert stats[True].swap_out_bytes == stats[False].swap_out_bytes > 0
+    assert stats[False].swap_ops > stats[True].swap_ops
+
+
 def test_host_full_falls_back_to_recompute(wave_reference):
     path, alone = wave_reference
     # Two host blocks: no victim fits there, so evictions recompute instead; never an error.

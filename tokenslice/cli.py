@@ -93,6 +93,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(CacheConfig, "offload_dtype", help="int8: per-channel int8 KV on host, dequantized on upload")
     flag(CacheConfig, "enable_prefix_caching", action=argparse.BooleanOptionalAction,
          help="reuse cached KV of shared prompt prefixes (on by default)")
+    flag(CacheConfig, "block_groups", action=argparse.BooleanOptionalAction,
+         help="swap modes: place a request's KV in few contiguous runs, so a swap is few copies "
+              "(FastSwitch); off: one copy per block as vLLM")
     flag(SchedulerConfig, "policy", choices=list(POLICY_NAMES))
     flag(SchedulerConfig, "preemption")
     flag(SchedulerConfig, "swap_in",
@@ -456,6 +459,8 @@ def add_simulation_subcommands(sub: Any) -> None:
     flag("offload_dtype")
     flag("enable_prefix_caching", action=argparse.BooleanOptionalAction,
          help="share cached KV of equal prompt prefixes (dataset workloads: synthetic prompts never share)")
+    flag("block_groups", action=argparse.BooleanOptionalAction,
+         help="swap modes: few contiguous runs per request (FastSwitch); off: one copy per block as vLLM")
     _add_scheduler_tuning_args(m, SweepSpec)
     flag("block_size")
     flag("slo_normalized_latency", help="s/token (default: 10x the profile's decode iteration time)")

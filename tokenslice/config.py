@@ -81,6 +81,10 @@ class CacheConfig:
     # Reuse the KV of full blocks whose leading tokens match (vLLM automatic prefix caching,
     # FastSwitch §3.3 multi-turn reuse): kept on device, and on host in the swap modes.
     enable_prefix_caching: bool = True
+    # Block groups (FastSwitch §3.1): in the swap modes a request's KV sits in few contiguous
+    # runs, so a swap is few large copies. Off: blocks from a plain free list, one copy per block
+    # as vLLM (the baseline of FastSwitch's ablation).
+    block_groups: bool = True
 
     def validate(self) -> None:
         if self.block_size < 1:

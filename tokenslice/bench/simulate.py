@@ -70,6 +70,7 @@ class SweepSpec:
     host_kv_blocks: int | None = None  # swap modes; None: HOST_KV_FACTOR x the device pool
     offload_dtype: str = field_from(CacheConfig, "offload_dtype")
     enable_prefix_caching: bool = field_from(CacheConfig, "enable_prefix_caching")  # real token ids only
+    block_groups: bool = field_from(CacheConfig, "block_groups")
     burst_reserve_jobs: int = field_from(SchedulerConfig, "burst_reserve_jobs")
     burst_reserve_queues: int = field_from(SchedulerConfig, "burst_reserve_queues")
     eviction_amortization: float = field_from(SchedulerConfig, "eviction_amortization")
@@ -245,7 +246,8 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
                  kv_cache_blocks: int, block_size: int = CacheConfig.block_size, host_kv_blocks: int | None = None,
                  offload_dtype: str = CacheConfig.offload_dtype, length_predictor: str | Path | None = None,
                  priority: PriorityPattern | None = None,
-                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+                 enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+                 block_groups: bool = CacheConfig.block_groups
                  ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay a workload on the simulator: (per-request records, engine-wide counters). The host
     tier (swap modes only) defaults to HOST_KV_FACTOR x the device pool. With `length_predictor`, requests
@@ -259,7 +261,7 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     host = HOST_KV_FACTOR * kv_cache_blocks if host_kv_blocks is None else host_kv_blocks
     engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
                               host_kv_blocks=host, offload_dtype=offload_dtype,
-                              enable_prefix_caching=enable_prefix_caching)
+                              enable_prefix_caching=enable_prefix_caching, block_groups=block_groups)
     reqs = engine.replay(list(workload_requests),
                          priority_updates=PriorityUpdates(priority) if priority is not None else None)
     return records_from_requests(reqs), engine_counters(engine)
@@ -389,7 +391,8 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                 records, counters = simulate_run(cost, wl, spec.scheduler_config(policy, slo), kv_blocks,
                                                  spec.block_size, spec.host_kv_blocks, spec.offload_dtype,
                                                  priority=spec.priority(seed),
-                                                 enable_prefix_caching=spec.enable_prefix_caching)
+                                                 enable_prefix_caching=spec.enable_prefix_caching,
+                                                 block_groups=spec.block_groups)
                 metrics = run_metrics(records, counters, slo)
                 users = user_summary(records)
                 runs.append(run_entry(policy, spec.preemption, rate, metrics, load=load, cv=spec.cv,
@@ -412,6 +415,7 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                               "max_tokens_per_step": spec.max_tokens_per_step, "kv_cache_blocks": kv_blocks,
                               "host_kv_blocks": spec.host_blocks(kv_blocks), "offload_dtype": spec.offload_dtype,
                               "enable_prefix_caching": spec.enable_prefix_caching,
+                              "block_groups": spec.block_groups,
                               "burst_reserve_jobs": spec.burst_reserve_jobs,
                               "burst_reserve_queues": spec.burst_reserve_queues,
                               "eviction_amortization": spec.eviction_amortization,

@@ -109,8 +109,8 @@ class Engine:
                              num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype)
         log.info("model %s (%s, %s on %s): %d KV blocks of %d tokens, %d host blocks", loaded.name,
                  loaded.arch.architecture, loaded.dtype, loaded.device, blocks, config.cache.block_size, host_blocks)
-        # Block groups (FastSwitch) so a swap is a few large copies.
-        kv = KVManager(config.cache.block_size, blocks, host_blocks, contiguous=swapping,
+        # Block groups (FastSwitch §3.1) so a swap is a few large copies.
+        kv = KVManager(config.cache.block_size, blocks, host_blocks, contiguous=swapping and config.cache.block_groups,
                        prefix_caching=config.cache.enable_prefix_caching)
         cost = load_cost_model(config.profile) if config.profile else None
         ctx = PolicyContext(config.scheduler, cost)
@@ -154,12 +154,13 @@ class Engine:
     def simulated(cls, config: SchedulerConfig, cost: CostModel, *, kv_cache_blocks: int,
                   block_size: int = 16, max_model_len: int = 1 << 30, host_kv_blocks: int = 0,
                   offload_dtype: str = "auto",
-                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching) -> Engine:
+                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+                  block_groups: bool = CacheConfig.block_groups) -> Engine:
         """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
         iteration times (and swap copy times) from the cost model instead of a model."""
         swapping = PREEMPTION_STRATEGIES[config.preemption].uses_host_tier
-        kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0, contiguous=swapping,
-                       prefix_caching=enable_prefix_caching)
+        kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0,
+                       contiguous=swapping and block_groups, prefix_caching=enable_prefix_caching)
         ctx = PolicyContext(config, cost)
         policy = make_policy(config.policy, ctx)
         clock = VirtualClock()
