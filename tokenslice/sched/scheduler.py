@@ -238,8 +238,8 @@ class Scheduler:
             return None
         if self.preemption.protection_blocked:  # an expiring protection would change the next plan
             return None
-        reqs = [self.requests.get(s.request_id) for s in plan.decode]
-        return None if any(r is None for r in reqs) else reqs  # type: ignore[return-value]
+        live = self.requests
+        return [live[s.request_id] for s in plan.decode] if all(s.request_id in live for s in plan.decode) else None
 
     def max_repeat(self, reqs: list[Request], max_steps: int) -> int:
         """Steps the batch may run before its first finish (that step included) or before its
