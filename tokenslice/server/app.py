@@ -14,6 +14,7 @@ import asyncio
 import functools
 import hmac
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -94,11 +95,12 @@ def _error_type(status: int) -> str:
 
 # ---- ASGI middleware (pure ASGI: BaseHTTPMiddleware would break disconnect detection) ------------
 class APIKeyMiddleware:
-    """401 on /v1/* without `Authorization: Bearer <key>`; other paths stay open."""
+    """401 on /v1/* without `Authorization: Bearer <key>`; other paths stay open. The scheme is
+    case-insensitive (RFC 7235 §2.1)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -106,8 +108,8 @@ class APIKeyMiddleware:
                 or not (path == "/v1" or path.startswith("/v1/"))):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):  # constant time: no key guessing by timing
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected):  # constant time: no key guessing by timing
             await self.app(scope, receive, send)
             return
         resp = error_response(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
@@ -595,6 +597,14 @@ def _narrow(prop: dict[str, Any], **schema: Any) -> None:
     prop.update(schema)
 
 
+def _model_name_schema(name: str) -> dict[str, Any]:
+    # The served name defaults to --model, which may be a directory: the public schema must not
+    # show where the weights live, so a path-like name is documented as a plain string.
+    if os.sep in name or "/" in name or os.path.exists(name):
+        return {"type": "string"}
+    return {"type": "string", "enum": [name]}
+
+
 def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Engine) -> None:
     """What this server accepts beyond the pydantic types: its model name, token ids in its
     vocabulary, one prompt per request, and the fields it does not support yet at their off
@@ -603,7 +613,7 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
     token = {"type": "integer", "minimum": 0, "maximum": engine.vocab_size - 1}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = comps[name]["properties"]
-        _narrow(props["model"], anyOf=[{"type": "string", "enum": [settings.served_model_name]}, {"type": "null"}])
+        _narrow(props["model"], anyOf=[_model_name_schema(settings.served_model_name), {"type": "null"}])
         _narrow(props["n"], type="integer", enum=[1])
         _narrow(props["stop"], anyOf=[{"type": "string", "minLength": 1},
                                       {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}])

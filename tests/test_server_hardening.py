@@ -1,0 +1,57 @@
+"""Inputs found by fuzzing the HTTP API: each answered with a clean 4xx, the connection kept."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serverkit import RunningServer, start_server
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[RunningServer]:
+    with start_server("--kv-cache-blocks", "32", "--max-model-len", "64") as s:
+        yield s
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/completions", b'{"prompt": "hi \\ud800 there", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["hi \\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": "\\ud800", "max_tokens": 2}', "stop"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800 there"}], "max_tokens": 2}',
+     "messages"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}], "max_tokens": 2}',
+     "messages"),
+])
+def test_lone_surrogate_is_400_and_keeps_the_connection(srv: RunningServer, path: str, body: bytes,
+                                                         param: str) -> None:
+    with httpx.Client(timeout=60) as c:
+        r = c.post(srv.url(path), content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error"
+        assert "\ud800" not in r.text and "there" not in r.text  # the prompt is never echoed
+        # The same kept-alive connection serves the next request.
+        r = c.post(srv.url("/v1/completions"), json={"prompt": "hi there", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_openapi_does_not_reveal_the_model_path() -> None:
+    with start_server("--model", str(STORIES), "--kv-cache-blocks", "16") as s:
+        schema = httpx.get(s.url("/openapi.json"), timeout=30).text
+        assert str(STORIES) not in schema and "stories260k" not in schema
+        # Clients still see and send the name the server answers to.
+        [card] = httpx.get(s.url("/v1/models"), timeout=30).json()["data"]
+        r = httpx.post(s.url("/v1/completions"), json={"model": card["id"], "prompt": "Once", "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_openapi_names_a_plain_model_name(srv: RunningServer) -> None:
+    props = httpx.get(srv.url("/openapi.json")).json()["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert {"type": "string", "enum": ["builtin:tiny"]} in props["model"]["anyOf"]
