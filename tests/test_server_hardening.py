@@ -50,6 +50,7 @@ def test_openapi_does_not_reveal_the_model_path() -> None:
         r = httpx.post(s.url("/v1/completions"), json={"model": card["id"], "prompt": "Once", "max_tokens": 2},
                        timeout=60)
         assert r.status_code == 200, r.text
+        assert httpx.get(s.url(f"/v1/models/{card['id']}"), timeout=30).json()["id"] == card["id"]
 
 
 def test_openapi_names_a_plain_model_name(srv: RunningServer) -> None:

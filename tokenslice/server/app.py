@@ -1,9 +1,10 @@
 """FastAPI app: OpenAI-compatible routes over an AsyncEngine (DESIGN.md, Data flow).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/requests/{id}/priority,
-GET /v1/models, GET /health, GET /metrics. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
-/v1/* need `Authorization: Bearer KEY` when an API key is set; /health and /metrics stay open
-so that probes and scrapers need no secret.
+GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version,
+GET /metrics. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+/v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` when an API key is set;
+/health, /ping, /version and /metrics stay open so that probes and scrapers need no secret.
 
 One log line per generation request (id, tokens, finish reason, latency); prompt and output
 text are never logged.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import importlib.metadata
 import logging
 import os
 import time
@@ -39,8 +41,10 @@ from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatMessageOut, ChatStreamChoice,
                                         CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
-                                        DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList,
-                                        PriorityResponse, PriorityUpdate, SamplingFields, UsageInfo)
+                                        DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
+                                        ErrorResponse, ModelCard, ModelList, PriorityResponse, PriorityUpdate,
+                                        SamplingFields, TokenizeRequest, TokenizeResponse, UsageInfo,
+                                        VersionResponse)
 
 log = logging.getLogger("tokenslice.server")
 
@@ -54,6 +58,15 @@ MAX_TEMPERATURE = 1e4
 # Any top_p this small keeps only the most likely token anyway.
 MIN_TOP_P = 1e-6
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # of an oversized body, read and dropped before the 413
+# Besides /v1/*, the routes that need the API key: they spend tokenizer time on the caller's text.
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("tokenslice")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
 
 
 @dataclass
@@ -105,7 +118,7 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if (self.expected is None or scope["type"] != "http"
-                or not (path == "/v1" or path.startswith("/v1/"))):
+                or not (path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS)):
             await self.app(scope, receive, send)
             return
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
@@ -305,14 +318,18 @@ class Server:
             raise APIError(400, f"{param} has {len(text)} characters, more than this model's context of "
                                 f"{self.engine.max_model_len} tokens can hold", param=param)
 
-    def tokenize_prompt(self, prompt: str) -> list[int]:
+    def tokenize_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         self._check_length(prompt, "prompt")
+        tok = self.engine.tokenizer
+        if not add_special_tokens and tok is not None:  # /tokenize only: the engine always adds them
+            return list(tok(prompt, add_special_tokens=False)["input_ids"])
         try:
             return self.engine.tokenize(prompt)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    add_special_tokens: bool = False) -> list[int]:
         """Messages -> token ids through the model's chat template."""
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
@@ -331,7 +348,7 @@ class Server:
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
         self._check_length(text, "messages")
         # The template already places any special tokens (BOS) it wants.
-        return list(tok(text, add_special_tokens=False)["input_ids"])
+        return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     @staticmethod
     def _message_text(m: ChatMessage, i: int) -> str:
@@ -524,6 +541,33 @@ class Server:
         log.info("%s priority=%d", request_id, body.priority)
         return PriorityResponse(id=request_id, priority=body.priority)
 
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.settings.served_model_name, max_model_len=self.engine.max_model_len)
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: what the completion and chat routes would feed the engine."""
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            ids = await run_in_threadpool(self.render_chat, body.messages, body.add_generation_prompt,
+                                          bool(body.add_special_tokens))
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await run_in_threadpool(self.tokenize_prompt, body.prompt, special)
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        bad = next((t for t in body.tokens if not 0 <= t < self.engine.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{self.engine.vocab_size - 1})",
+                           param="tokens")
+        return DetokenizeResponse(prompt=await run_in_threadpool(tok.decode, body.tokens))
+
     async def _collect_or_log(self, stream: RequestStream, request: Request, track: _Track) -> str:
         try:
             return await self.collect(stream, request, track)
@@ -665,7 +709,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         finally:
             await run_in_threadpool(server.async_engine.shutdown)
 
-    app = FastAPI(title="tokenslice", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="tokenslice", version=package_version(), lifespan=lifespan,
                   description="OpenAI-compatible server with token-level preemptive scheduling")
     app.state.server = server
 
@@ -723,15 +767,39 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.served_model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[server.model_card()])
+
+    @v1.get("/models/{model_id:path}", response_model=ModelCard,
+            responses={404: {"model": ErrorResponse, "description": "No such model"}})
+    async def model(model_id: str) -> ModelCard:
+        if model_id != settings.served_model_name:
+            raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        return server.model_card()
 
     app.include_router(v1)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_error_docs())
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await server.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_error_docs())
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await server.detokenize(body)
 
     @app.get("/health", responses={503: {"description": "The engine loop is not running"}})
     async def health() -> Response:
         if server.async_engine.is_alive:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine not running"}, status_code=503)
+
+    # vLLM's liveness probe (SageMaker calls it with POST): the same answer as /health.
+    for method in ("GET", "POST"):  # one route per method: each needs its own OpenAPI operation id
+        app.add_api_route("/ping", health, methods=[method], name="ping",
+                          responses={503: {"description": "The engine loop is not running"}})
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=package_version())
 
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:

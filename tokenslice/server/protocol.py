@@ -122,6 +122,36 @@ class PriorityUpdate(_Strict):
     priority: Hint = Field(description="the request's new priority; lower runs first (--policy priority)")
 
 
+class TokenizeRequest(_Strict):
+    """Body of POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered by the template."""
+
+    model: str | None = Field(None, description="must be the served model name; defaults to it")
+    prompt: Text | None = Field(None, description="text to tokenize; exactly one of prompt and messages")
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = Field(None, description="default: true for prompt, false for messages "
+                                                              "(the chat template places them)")
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = Field(None, description="must be the served model name; defaults to it")
+    tokens: list[Int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class PriorityResponse(BaseModel):
     id: str
     priority: int
