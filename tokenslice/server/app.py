@@ -364,6 +364,7 @@ class Server:
 
     async def submit(self, track: _Track, prompt: list[int], params: SamplingParams, body: SamplingFields,
                      arrival: float) -> RequestStream:
+        track.prompt_tokens = len(prompt)  # known now; streamed usage may be sent before the first output
         try:
             return await self.async_engine.add_request(EngineRequest(
                 track.request_id, prompt, params, arrival_time=arrival, user=body.user, priority=body.priority,
@@ -447,11 +448,12 @@ class Server:
         model, created = self.settings.served_model_name, int(time.time())
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, continuous = _usage_options(body)
 
             def chunk(text: str, finish: str | None) -> str:
                 return _sse(CompletionChunk(id=track.request_id, created=created, model=model, choices=[
-                    CompletionChoice(text=text, finish_reason=finish)]).model_dump_json())
+                    CompletionChoice(text=text, finish_reason=finish)],
+                    usage=track.usage if continuous else None).model_dump_json())
 
             async def events() -> AsyncIterator[str]:
                 try:
@@ -494,11 +496,12 @@ class Server:
         model, created = self.settings.served_model_name, int(time.time())
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, continuous = _usage_options(body)
 
             def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
                 return _sse(ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[
-                    ChatStreamChoice(delta=delta, finish_reason=finish)]).model_dump_json())
+                    ChatStreamChoice(delta=delta, finish_reason=finish)],
+                    usage=track.usage if continuous else None).model_dump_json())
 
             async def events() -> AsyncIterator[str]:
                 try:
@@ -590,6 +593,14 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
         raise APIError(400, "a list of several prompts is not supported; send one prompt per request",
                        param="prompt")
     return prompt[0]  # type: ignore[return-value]
+
+
+def _usage_options(body: SamplingFields) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage so far on every chunk). As vLLM, continuous_usage_stats
+    takes effect only together with include_usage."""
+    opts = body.stream_options
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts and opts.continuous_usage_stats)
 
 
 def _finish_reason(reason: str | None) -> str | None:

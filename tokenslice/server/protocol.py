@@ -56,6 +56,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="with include_usage: usage so far on every chunk "
+                                                            "(vLLM's extension)")
 
 
 class TokensliceOptions(_Strict):
