@@ -56,3 +56,32 @@ def test_openapi_does_not_reveal_the_model_path() -> None:
 def test_openapi_names_a_plain_model_name(srv: RunningServer) -> None:
     props = httpx.get(srv.url("/openapi.json")).json()["components"]["schemas"]["CompletionRequest"]["properties"]
     assert {"type": "string", "enum": ["builtin:tiny"]} in props["model"]["anyOf"]
+
+
+def test_every_error_answer_is_counted(srv: RunningServer) -> None:
+    """tokenslice:request_rejected_total{status} counts each 4xx and 5xx, from whichever layer answers."""
+    key = 'tokenslice:request_rejected_total{model_name="builtin:tiny",status="%d"}'
+    before = srv.metrics()
+    with httpx.Client(timeout=60) as c:
+        assert c.post(srv.url("/v1/completions"), json={"prompt": "hi", "max_tokens": -1}).status_code == 400
+        assert c.post(srv.url("/v1/completions"), json={"prompt": "hi", "n": 2}).status_code == 400
+        assert c.get(srv.url("/v1/models/unknown")).status_code == 404
+        assert c.get(srv.url("/no/such/route")).status_code == 404
+        assert c.get(srv.url("/v1/completions")).status_code == 405
+        assert c.post(srv.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+    after = srv.metrics()
+
+    def delta(status: int) -> float:
+        return after.get(key % status, 0.0) - before.get(key % status, 0.0)
+
+    assert (delta(400), delta(404), delta(405)) == (2, 2, 1)
+
+
+def test_key_and_body_limit_refusals_are_counted() -> None:
+    key = 'tokenslice:request_rejected_total{model_name="builtin:tiny",status="%d"}'
+    with start_server("--kv-cache-blocks", "16", "--api-key", "k", "--max-body-bytes", "1000") as s:
+        assert httpx.get(s.url("/v1/models")).status_code == 401
+        big = {"prompt": "x" * 2000}
+        assert httpx.post(s.url("/v1/completions"), json=big, headers={"Authorization": "Bearer k"}).status_code == 413
+        m = s.metrics()
+        assert m[key % 401] == 1 and m[key % 413] == 1

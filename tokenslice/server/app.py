@@ -111,9 +111,10 @@ class APIKeyMiddleware:
     """401 on /v1/* without `Authorization: Bearer <key>`; other paths stay open. The scheme is
     case-insensitive (RFC 7235 §2.1)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, on_reject: Callable[[int], None]) -> None:
         self.app = app
         self.expected = api_key.encode() if api_key else None
+        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -125,6 +126,7 @@ class APIKeyMiddleware:
         if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected):  # constant time: no key guessing by timing
             await self.app(scope, receive, send)
             return
+        self.on_reject(401)
         resp = error_response(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await resp(scope, receive, send)
@@ -135,9 +137,10 @@ class BodyLimitMiddleware:
     the JSON parser anyway) and replayed to the app; the original `receive` then stays
     available so handlers can notice a disconnect."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int], None]) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -179,6 +182,7 @@ class BodyLimitMiddleware:
                 return
             drained += len(msg.get("body", b""))
             more_body = msg.get("more_body", False)
+        self.on_reject(413)
         resp = error_response(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large",
                               headers={"Connection": "close"})
         await resp(scope, receive, send)
@@ -372,12 +376,10 @@ class Server:
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except EngineOverloadedError:
-            self.metrics.reject(429)
             raise APIError(429, f"server overloaded: more than {self.settings.max_waiting} requests are waiting; "
                                 "retry later", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from None
         except EngineDeadError:
-            self.metrics.reject(503)
             raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from None
         except EngineFaultError as e:
@@ -725,6 +727,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     app.state.server = server
 
     def _log_error(request: Request, status: int, message: str) -> None:
+        server.metrics.reject(status)  # every error answer is counted, whatever raised it
         track: _Track | None = getattr(request.state, "track", None)
         if track is not None:
             track.status = status
@@ -746,6 +749,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        server.metrics.reject(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), _error_type(exc.status_code),
                               headers=getattr(exc, "headers", None))
 
@@ -758,6 +762,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         track: _Track | None = getattr(request.state, "track", None)
         rid = track.request_id if track else f"req-{uuid.uuid4().hex}"
         log.error("%s %s: unexpected error", rid, request.url.path, exc_info=exc)
+        server.metrics.reject(500)
         return error_response(500, f"internal server error (request id {rid})", "server_error")
 
     v1 = APIRouter(prefix="/v1", responses=_error_docs())
@@ -818,7 +823,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     _install_openapi(app, settings, engine)
     # Added last = outermost: the key is checked before any body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=server.metrics.reject)
+    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, on_reject=server.metrics.reject)
     return app
 
