@@ -85,3 +85,17 @@ def test_key_and_body_limit_refusals_are_counted() -> None:
         assert httpx.post(s.url("/v1/completions"), json=big, headers={"Authorization": "Bearer k"}).status_code == 413
         m = s.metrics()
         assert m[key % 401] == 1 and m[key % 413] == 1
+
+
+def test_unexpected_error_is_500_and_keeps_the_connection(srv: RunningServer) -> None:
+    """A bug in a handler answers the 500 error object; the kept-alive connection survives it."""
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    srv.app.add_api_route("/test-only/broken", broken)
+    with httpx.Client(timeout=60) as c:
+        r = c.get(srv.url("/test-only/broken"))
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "a bug" not in r.text
+        r = c.post(srv.url("/v1/completions"), json={"prompt": "hi there", "max_tokens": 2})
+        assert r.status_code == 200

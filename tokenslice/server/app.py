@@ -188,6 +188,37 @@ class BodyLimitMiddleware:
         await resp(scope, receive, send)
 
 
+class UnexpectedErrorMiddleware:
+    """Answers an unexpected exception with the 500 error object and keeps the connection.
+
+    Starlette's outermost error handler re-raises after answering, and uvicorn then resets a
+    kept-alive connection, failing the client's next, valid request too. Caught here instead,
+    unless the response had already started (then there is nothing left to answer)."""
+
+    def __init__(self, app: ASGIApp, handler: Callable[[Request, Exception], Any]) -> None:
+        self.app = app
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            resp = await self.handler(Request(scope, receive), exc)
+            await resp(scope, receive, send)
+
+
 # ---- per-request bookkeeping --------------------------------------------------------------------
 @dataclass
 class _Track:
@@ -757,7 +788,6 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def _gone(request: Request, exc: _ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
-    @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         track: _Track | None = getattr(request.state, "track", None)
         rid = track.request_id if track else f"req-{uuid.uuid4().hex}"
@@ -823,6 +853,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     _install_openapi(app, settings, engine)
     # Added last = outermost: the key is checked before any body is read.
+    app.add_middleware(UnexpectedErrorMiddleware, handler=_unexpected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=server.metrics.reject)
     app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, on_reject=server.metrics.reject)
     return app
