@@ -162,6 +162,32 @@ def test_chat_non_stream_and_stream(srv: RunningServer, client: openai.OpenAI) -
     assert chunks[-1].usage.completion_tokens == 9 and chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats(srv: RunningServer, client: openai.OpenAI, chat: bool) -> None:
+    """vLLM's stream_options.continuous_usage_stats: usage so far on every chunk (with include_usage)."""
+    def stream(opts: dict) -> list:
+        kw = dict(model=MODEL, max_tokens=6, stream=True, stream_options=opts, extra_body={"ignore_eos": True})
+        if chat:
+            return list(client.chat.completions.create(messages=MESSAGES, **kw))
+        return list(client.completions.create(prompt=PROMPT, **kw))
+
+    chunks = stream({"include_usage": True, "continuous_usage_stats": True})
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    assert prompt_tokens > 0 and chunks[-1].usage.completion_tokens == 6 and not chunks[-1].choices
+    assert all(c.usage is not None for c in chunks)
+    for c in chunks:
+        u = c.usage
+        assert u.prompt_tokens == prompt_tokens and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    so_far = [c.usage.completion_tokens for c in chunks]
+    assert so_far == sorted(so_far) and so_far[-1] == 6
+    # One chunk per generated token, each counted by the time it is sent (chat opens with the role, at 0).
+    assert sorted(set(so_far)) == list(range(0 if chat else 1, 7))
+    # Without include_usage (as vLLM) or without the flag: only the usual final usage chunk, if any.
+    assert all(c.usage is None for c in stream({"continuous_usage_stats": True}))
+    plain = stream({"include_usage": True})
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 6
+
+
 def test_chat_default_max_tokens_runs_to_context(srv: RunningServer, client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"

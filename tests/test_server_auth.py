@@ -57,3 +57,12 @@ def test_health_and_metrics_stay_open(srv: RunningServer) -> None:
     assert httpx.get(srv.url("/health")).status_code == 200
     r = httpx.get(srv.url("/metrics"))
     assert r.status_code == 200 and "tokenslice:num_requests_running" in r.text
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "bEaReR"])
+def test_bearer_scheme_is_case_insensitive(srv: RunningServer, scheme: str) -> None:
+    """RFC 7235: auth schemes are case-insensitive; the key itself is not."""
+    r = httpx.get(srv.url("/v1/models"), headers={"Authorization": f"{scheme} {KEY}"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL
+    r = httpx.get(srv.url("/v1/models"), headers={"Authorization": f"{scheme} {KEY.upper()}"})
+    assert r.status_code == 401

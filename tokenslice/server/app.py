@@ -1,9 +1,10 @@
 """FastAPI app: OpenAI-compatible routes over an AsyncEngine (DESIGN.md, Data flow).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/requests/{id}/priority,
-GET /v1/models, GET /health, GET /metrics. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
-/v1/* need `Authorization: Bearer KEY` when an API key is set; /health and /metrics stay open
-so that probes and scrapers need no secret.
+GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version,
+GET /metrics. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+/v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` when an API key is set;
+/health, /ping, /version and /metrics stay open so that probes and scrapers need no secret.
 
 One log line per generation request (id, tokens, finish reason, latency); prompt and output
 text are never logged.
@@ -13,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import hmac
+import importlib.metadata
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -38,8 +41,10 @@ from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatMessageOut, ChatStreamChoice,
                                         CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
-                                        DeltaMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList,
-                                        PriorityResponse, PriorityUpdate, SamplingFields, UsageInfo)
+                                        DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
+                                        ErrorResponse, ModelCard, ModelList, PriorityResponse, PriorityUpdate,
+                                        SamplingFields, TokenizeRequest, TokenizeResponse, UsageInfo,
+                                        VersionResponse)
 
 log = logging.getLogger("tokenslice.server")
 
@@ -53,6 +58,15 @@ MAX_TEMPERATURE = 1e4
 # Any top_p this small keeps only the most likely token anyway.
 MIN_TOP_P = 1e-6
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # of an oversized body, read and dropped before the 413
+# Besides /v1/*, the routes that need the API key: they spend tokenizer time on the caller's text.
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("tokenslice")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
 
 
 @dataclass
@@ -94,22 +108,25 @@ def _error_type(status: int) -> str:
 
 # ---- ASGI middleware (pure ASGI: BaseHTTPMiddleware would break disconnect detection) ------------
 class APIKeyMiddleware:
-    """401 on /v1/* without `Authorization: Bearer <key>`; other paths stay open."""
+    """401 on /v1/* without `Authorization: Bearer <key>`; other paths stay open. The scheme is
+    case-insensitive (RFC 7235 §2.1)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, on_reject: Callable[[int], None]) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
+        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if (self.expected is None or scope["type"] != "http"
-                or not (path == "/v1" or path.startswith("/v1/"))):
+                or not (path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS)):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):  # constant time: no key guessing by timing
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected):  # constant time: no key guessing by timing
             await self.app(scope, receive, send)
             return
+        self.on_reject(401)
         resp = error_response(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await resp(scope, receive, send)
@@ -120,9 +137,10 @@ class BodyLimitMiddleware:
     the JSON parser anyway) and replayed to the app; the original `receive` then stays
     available so handlers can notice a disconnect."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int], None]) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -164,9 +182,41 @@ class BodyLimitMiddleware:
                 return
             drained += len(msg.get("body", b""))
             more_body = msg.get("more_body", False)
+        self.on_reject(413)
         resp = error_response(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large",
                               headers={"Connection": "close"})
         await resp(scope, receive, send)
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an unexpected exception with the 500 error object and keeps the connection.
+
+    Starlette's outermost error handler re-raises after answering, and uvicorn then resets a
+    kept-alive connection, failing the client's next, valid request too. Caught here instead,
+    unless the response had already started (then there is nothing left to answer)."""
+
+    def __init__(self, app: ASGIApp, handler: Callable[[Request, Exception], Any]) -> None:
+        self.app = app
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            resp = await self.handler(Request(scope, receive), exc)
+            await resp(scope, receive, send)
 
 
 # ---- per-request bookkeeping --------------------------------------------------------------------
@@ -303,14 +353,18 @@ class Server:
             raise APIError(400, f"{param} has {len(text)} characters, more than this model's context of "
                                 f"{self.engine.max_model_len} tokens can hold", param=param)
 
-    def tokenize_prompt(self, prompt: str) -> list[int]:
+    def tokenize_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         self._check_length(prompt, "prompt")
+        tok = self.engine.tokenizer
+        if not add_special_tokens and tok is not None:  # /tokenize only: the engine always adds them
+            return list(tok(prompt, add_special_tokens=False)["input_ids"])
         try:
             return self.engine.tokenize(prompt)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    add_special_tokens: bool = False) -> list[int]:
         """Messages -> token ids through the model's chat template."""
         tok = self.engine.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
@@ -329,7 +383,7 @@ class Server:
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
         self._check_length(text, "messages")
         # The template already places any special tokens (BOS) it wants.
-        return list(tok(text, add_special_tokens=False)["input_ids"])
+        return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     @staticmethod
     def _message_text(m: ChatMessage, i: int) -> str:
@@ -345,6 +399,7 @@ class Server:
 
     async def submit(self, track: _Track, prompt: list[int], params: SamplingParams, body: SamplingFields,
                      arrival: float) -> RequestStream:
+        track.prompt_tokens = len(prompt)  # known now; streamed usage may be sent before the first output
         try:
             return await self.async_engine.add_request(EngineRequest(
                 track.request_id, prompt, params, arrival_time=arrival, user=body.user, priority=body.priority,
@@ -352,12 +407,10 @@ class Server:
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except EngineOverloadedError:
-            self.metrics.reject(429)
             raise APIError(429, f"server overloaded: more than {self.settings.max_waiting} requests are waiting; "
                                 "retry later", type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from None
         except EngineDeadError:
-            self.metrics.reject(503)
             raise APIError(503, "the engine is not running", type="server_error", code="engine_unavailable",
                            headers={"Retry-After": str(self.settings.retry_after_s)}) from None
         except EngineFaultError as e:
@@ -428,11 +481,12 @@ class Server:
         model, created = self.settings.served_model_name, int(time.time())
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, continuous = _usage_options(body)
 
             def chunk(text: str, finish: str | None) -> str:
                 return _sse(CompletionChunk(id=track.request_id, created=created, model=model, choices=[
-                    CompletionChoice(text=text, finish_reason=finish)]).model_dump_json())
+                    CompletionChoice(text=text, finish_reason=finish)],
+                    usage=track.usage if continuous else None).model_dump_json())
 
             async def events() -> AsyncIterator[str]:
                 try:
@@ -475,11 +529,12 @@ class Server:
         model, created = self.settings.served_model_name, int(time.time())
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage, continuous = _usage_options(body)
 
             def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
                 return _sse(ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[
-                    ChatStreamChoice(delta=delta, finish_reason=finish)]).model_dump_json())
+                    ChatStreamChoice(delta=delta, finish_reason=finish)],
+                    usage=track.usage if continuous else None).model_dump_json())
 
             async def events() -> AsyncIterator[str]:
                 try:
@@ -522,6 +577,33 @@ class Server:
         log.info("%s priority=%d", request_id, body.priority)
         return PriorityResponse(id=request_id, priority=body.priority)
 
+    def model_card(self) -> ModelCard:
+        return ModelCard(id=self.settings.served_model_name, max_model_len=self.engine.max_model_len)
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """vLLM's /tokenize: what the completion and chat routes would feed the engine."""
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            ids = await run_in_threadpool(self.render_chat, body.messages, body.add_generation_prompt,
+                                          bool(body.add_special_tokens))
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await run_in_threadpool(self.tokenize_prompt, body.prompt, special)
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(body.model)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        bad = next((t for t in body.tokens if not 0 <= t < self.engine.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{self.engine.vocab_size - 1})",
+                           param="tokens")
+        return DetokenizeResponse(prompt=await run_in_threadpool(tok.decode, body.tokens))
+
     async def _collect_or_log(self, stream: RequestStream, request: Request, track: _Track) -> str:
         try:
             return await self.collect(stream, request, track)
@@ -544,6 +626,14 @@ def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str
         raise APIError(400, "a list of several prompts is not supported; send one prompt per request",
                        param="prompt")
     return prompt[0]  # type: ignore[return-value]
+
+
+def _usage_options(body: SamplingFields) -> tuple[bool, bool]:
+    """(usage chunk at the end, usage so far on every chunk). As vLLM, continuous_usage_stats
+    takes effect only together with include_usage."""
+    opts = body.stream_options
+    include = bool(opts and opts.include_usage)
+    return include, include and bool(opts and opts.continuous_usage_stats)
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -595,6 +685,14 @@ def _narrow(prop: dict[str, Any], **schema: Any) -> None:
     prop.update(schema)
 
 
+def _model_name_schema(name: str) -> dict[str, Any]:
+    # The served name defaults to --model, which may be a directory: the public schema must not
+    # show where the weights live, so a path-like name is documented as a plain string.
+    if os.sep in name or "/" in name or os.path.exists(name):
+        return {"type": "string"}
+    return {"type": "string", "enum": [name]}
+
+
 def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Engine) -> None:
     """What this server accepts beyond the pydantic types: its model name, token ids in its
     vocabulary, one prompt per request, and the fields it does not support yet at their off
@@ -603,7 +701,7 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
     token = {"type": "integer", "minimum": 0, "maximum": engine.vocab_size - 1}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = comps[name]["properties"]
-        _narrow(props["model"], anyOf=[{"type": "string", "enum": [settings.served_model_name]}, {"type": "null"}])
+        _narrow(props["model"], anyOf=[_model_name_schema(settings.served_model_name), {"type": "null"}])
         _narrow(props["n"], type="integer", enum=[1])
         _narrow(props["stop"], anyOf=[{"type": "string", "minLength": 1},
                                       {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}])
@@ -655,11 +753,12 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
         finally:
             await run_in_threadpool(server.async_engine.shutdown)
 
-    app = FastAPI(title="tokenslice", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="tokenslice", version=package_version(), lifespan=lifespan,
                   description="OpenAI-compatible server with token-level preemptive scheduling")
     app.state.server = server
 
     def _log_error(request: Request, status: int, message: str) -> None:
+        server.metrics.reject(status)  # every error answer is counted, whatever raised it
         track: _Track | None = getattr(request.state, "track", None)
         if track is not None:
             track.status = status
@@ -681,6 +780,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        server.metrics.reject(exc.status_code)
         return error_response(exc.status_code, str(exc.detail), _error_type(exc.status_code),
                               headers=getattr(exc, "headers", None))
 
@@ -688,11 +788,11 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def _gone(request: Request, exc: _ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
 
-    @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         track: _Track | None = getattr(request.state, "track", None)
         rid = track.request_id if track else f"req-{uuid.uuid4().hex}"
         log.error("%s %s: unexpected error", rid, request.url.path, exc_info=exc)
+        server.metrics.reject(500)
         return error_response(500, f"internal server error (request id {rid})", "server_error")
 
     v1 = APIRouter(prefix="/v1", responses=_error_docs())
@@ -713,9 +813,24 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=settings.served_model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[server.model_card()])
+
+    @v1.get("/models/{model_id:path}", response_model=ModelCard,
+            responses={404: {"model": ErrorResponse, "description": "No such model"}})
+    async def model(model_id: str) -> ModelCard:
+        if model_id != settings.served_model_name:
+            raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        return server.model_card()
 
     app.include_router(v1)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_error_docs())
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await server.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_error_docs())
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await server.detokenize(body)
 
     @app.get("/health", responses={503: {"description": "The engine loop is not running"}})
     async def health() -> Response:
@@ -723,13 +838,23 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "engine not running"}, status_code=503)
 
+    # vLLM's liveness probe (SageMaker calls it with POST): the same answer as /health.
+    for method in ("GET", "POST"):  # one route per method: each needs its own OpenAPI operation id
+        app.add_api_route("/ping", health, methods=[method], name="ping",
+                          responses={503: {"description": "The engine loop is not running"}})
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=package_version())
+
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     _install_openapi(app, settings, engine)
     # Added last = outermost: the key is checked before any body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(UnexpectedErrorMiddleware, handler=_unexpected)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=server.metrics.reject)
+    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, on_reject=server.metrics.reject)
     return app
 

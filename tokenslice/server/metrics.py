@@ -95,7 +95,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("tokenslice:generation_tokens", "Tokens generated.", LABELS, registry=r)
         self.request_success = Counter("tokenslice:request_success", "Finished requests by finish reason.",
                                        LABELS + ["finished_reason"], registry=r)
-        self.rejected = Counter("tokenslice:request_rejected", "Requests refused by the server, by HTTP status.",
+        self.rejected = Counter("tokenslice:request_rejected", "Requests answered with an error (4xx or 5xx), by HTTP status.",
                                 LABELS + ["status"], registry=r)
         self.ttft = Histogram("tokenslice:time_to_first_token_seconds", "Time to first token (from arrival).",
                               LABELS, buckets=LATENCY_BUCKETS, registry=r)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 # torch.Generator.manual_seed accepts exactly this range; outside it, a request would crash the engine.
 SEED_MIN = -(2**63)
@@ -31,6 +31,16 @@ def _int(ge: int | None = None, le: int | None = None) -> Any:
     return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
 
 
+def _utf8(value: str) -> str:
+    # JSON may spell lone UTF-16 surrogates (\ud800); no tokenizer can encode them.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (it holds a lone UTF-16 surrogate)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 Int = _int()
 PositiveInt = _int(ge=1)
 NonNegativeInt = _int(ge=0)
@@ -46,6 +56,8 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="with include_usage: usage so far on every chunk "
+                                                            "(vLLM's extension)")
 
 
 class TokensliceOptions(_Strict):
@@ -64,7 +76,7 @@ class SamplingFields(_Strict):
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: TopK | None = Field(None, description="0 or -1: off")
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     n: PositiveInt = Field(1, description="only 1 is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -80,7 +92,7 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[Int] | list[str] | list[list[Int]]
+    prompt: Text | list[Int] | list[Text] | list[list[Int]]
     echo: bool = False
     logprobs: NonNegativeInt | None = Field(None, description="not supported yet: must be null")
     suffix: str | None = Field(None, description="not supported: must be null")
@@ -88,13 +100,13 @@ class CompletionRequest(SamplingFields):
 
 class TextContentPart(_Strict):
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -110,6 +122,36 @@ class PriorityUpdate(_Strict):
     """Body of POST /v1/requests/{id}/priority."""
 
     priority: Hint = Field(description="the request's new priority; lower runs first (--policy priority)")
+
+
+class TokenizeRequest(_Strict):
+    """Body of POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered by the template."""
+
+    model: str | None = Field(None, description="must be the served model name; defaults to it")
+    prompt: Text | None = Field(None, description="text to tokenize; exactly one of prompt and messages")
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = Field(None, description="default: true for prompt, false for messages "
+                                                              "(the chat template places them)")
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = Field(None, description="must be the served model name; defaults to it")
+    tokens: list[Int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class PriorityResponse(BaseModel):
