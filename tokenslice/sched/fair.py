@@ -3,14 +3,13 @@ while a request lives, and `vtc`, the Virtual Token Counter's per-user fair shar
 OSDI'24 "Fairness in Serving Large Language Models")."""
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 from collections.abc import Iterator
 
 from tokenslice.config import parse_vtc_weights
 from tokenslice.request import Request
-from tokenslice.sched.policy import LiveSetPolicy, Policy, PolicyContext
+from tokenslice.sched.policy import LiveSetPolicy, Policy, PolicyContext, SortedKeys
 
 
 class PriorityPolicy(LiveSetPolicy):
@@ -23,32 +22,21 @@ class PriorityPolicy(LiveSetPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self._keys: list[tuple[int, int, str]] = []  # sorted (priority, arrival order, id): the ranking
-        self._key_of: dict[str, tuple[int, int, str]] = {}
+        self._keys = SortedKeys()  # (priority, arrival order, id): the ranking
         self._order = itertools.count()
-
-    def _insert(self, key: tuple[int, int, str]) -> None:
-        bisect.insort(self._keys, key)
-        self._key_of[key[2]] = key
-
-    def _remove(self, rid: str) -> tuple[int, int, str] | None:
-        key = self._key_of.pop(rid, None)
-        if key is not None:
-            del self._keys[bisect.bisect_left(self._keys, key)]
-        return key
 
     def on_arrival(self, req: Request, now: float) -> None:
         super().on_arrival(req, now)
-        self._insert((req.priority, next(self._order), req.request_id))
+        self._keys.put(req.request_id, (req.priority, next(self._order), req.request_id))
 
     def on_finish(self, req: Request) -> None:
         super().on_finish(req)
-        self._remove(req.request_id)
+        self._keys.pop(req.request_id)
 
     def on_priority_change(self, req: Request, old_priority: int, now: float) -> None:
-        key = self._remove(req.request_id)
+        key = self._keys.get(req.request_id)
         if key is not None:  # keeps its place in arrival order among its new peers
-            self._insert((req.priority, key[1], req.request_id))
+            self._keys.put(req.request_id, (req.priority, key[1], req.request_id))
 
     def ranked(self, now: float) -> Iterator[Request]:
         return (self._live[k[2]] for k in self._keys)

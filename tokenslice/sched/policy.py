@@ -2,7 +2,8 @@
 defaults, and what a policy may know about the system (PolicyContext)."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+import bisect
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tokenslice.config import SchedulerConfig
@@ -114,6 +115,38 @@ def queue_position_estimates(ranked: list[Request], remaining_s: dict[str, float
         out[r.request_id] = 0.0 if i < batch else ahead / batch
         ahead += remaining_s.get(r.request_id, 0.0)
     return out
+
+
+class SortedKeys:
+    """Each live request's sort key, kept in order (bisect): the ranking of policies whose keys
+    change only at events (fixed-priority, priority, srpt-predicted). A key ends with its
+    request id, so keys are unique."""
+
+    def __init__(self) -> None:
+        self._keys: list[tuple] = []
+        self._key_of: dict[str, tuple] = {}
+
+    def get(self, request_id: str) -> tuple | None:
+        return self._key_of.get(request_id)
+
+    def put(self, request_id: str, key: tuple) -> None:
+        """Set (or replace) the request's key."""
+        old = self._key_of.get(request_id)
+        if key == old:
+            return
+        if old is not None:
+            del self._keys[bisect.bisect_left(self._keys, old)]
+        bisect.insort(self._keys, key)
+        self._key_of[request_id] = key
+
+    def pop(self, request_id: str) -> tuple | None:
+        key = self._key_of.pop(request_id, None)
+        if key is not None:
+            del self._keys[bisect.bisect_left(self._keys, key)]
+        return key
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self._keys)
 
 
 class LiveSetPolicy(Policy):

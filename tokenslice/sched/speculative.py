@@ -13,12 +13,11 @@ is ALISE's estimated waiting time (EWT, §3.2), which orders swaps.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Iterable
 
 from tokenslice.request import Request, RequestState
-from tokenslice.sched.policy import Policy, PolicyContext, queue_position_estimates
+from tokenslice.sched.policy import Policy, PolicyContext, SortedKeys, queue_position_estimates
 
 # Predicted output tokens of a request without a prediction, until a request has finished; then
 # the running mean of finished requests' outputs takes over.
@@ -51,8 +50,7 @@ class SpeculativeSRPTPolicy(Policy):
         self._live: dict[str, Request] = {}
         self.predicted: dict[str, int] = {}  # current predicted output tokens, after demotions
         self._rem: dict[str, float] = {}  # T_rem at the job's current key
-        self._key_of: dict[str, _Key] = {}
-        self._keys: list[_Key] = []  # sorted: the ranking
+        self._keys = SortedKeys()  # the ranking
         self._order = itertools.count()
         self._epoch: float | None = None  # first arrival: keeps aged keys small and precise
         self._finished_tokens = 0
@@ -125,21 +123,15 @@ class SpeculativeSRPTPolicy(Policy):
 
     def _key(self, req: Request) -> tuple[_Key, float]:
         rem = self.remaining_s(req)
-        old = self._key_of.get(req.request_id)
+        old = self._keys.get(req.request_id)
         seq = old[2] if old is not None else next(self._order)
         return (rem + self._aging_offset(req), req.arrival_time, seq, req.request_id), rem
 
     def _rekey(self, req: Request) -> None:
         rid = req.request_id
         key, rem = self._key(req)
-        old = self._key_of.get(rid)
         self._rem[rid] = rem
-        if key == old:
-            return
-        if old is not None:
-            del self._keys[bisect.bisect_left(self._keys, old)]
-        bisect.insort(self._keys, key)
-        self._key_of[rid] = key
+        self._keys.put(rid, key)
 
     # ---- Policy protocol ------------------------------------------------------------------------
     def on_arrival(self, req: Request, now: float) -> None:
@@ -179,7 +171,7 @@ class SpeculativeSRPTPolicy(Policy):
             rid = req.request_id
             if rid not in self._live:
                 continue
-            start = self._key_of[rid]
+            start = self._keys.get(rid)
             p, cap = self.predicted[rid], self._cap(req)
             prompt, done, aged = req.num_prompt_tokens, req.num_output_tokens, self._aging_offset(req)
             for j in range(limit):
@@ -196,8 +188,7 @@ class SpeculativeSRPTPolicy(Policy):
         rid = req.request_id
         if self._live.pop(rid, None) is None:
             return
-        key = self._key_of.pop(rid)
-        del self._keys[bisect.bisect_left(self._keys, key)]
+        self._keys.pop(rid)
         self.predicted.pop(rid, None)
         self._rem.pop(rid, None)
         if req.state is RequestState.FINISHED:  # an abort's length says nothing about outputs
