@@ -170,9 +170,13 @@ class KVManager:
             raise ValueError(f"ensure({request_id!r}): its KV is in flight; wait for end_transfer")
         if request_id in self._host_tables:
             raise ValueError(f"ensure({request_id!r}): its KV is on host; swap_in first")
+        return self._grow_table(request_id, need)
+
+    def _grow_table(self, request_id: str, n: int) -> list[int]:
+        """Append `n` new device blocks to the request's table; returns them."""
         table = self._tables.get(request_id)
         # Extending the last block's run keeps a growing request in one copy (FastSwitch).
-        new = self.device.allocate(need, table[-1] if table and self.device.contiguous else None)
+        new = self.device.allocate(n, table[-1] if table and self.device.contiguous else None)
         if table is None:
             self._tables[request_id] = list(new)  # the caller may keep `new`; the table is ours
         else:
@@ -241,18 +245,8 @@ class KVManager:
         host = self._pending_host.pop(request_id, None)
         if not host:
             return []
-        table = self._tables.get(request_id)
-        new = self.device.allocate(len(host), table[-1] if table and self.device.contiguous else None)
-        if table is None:
-            self._tables[request_id] = list(new)
-        else:
-            table.extend(new)
-        t = self._transfers.get(request_id)
-        if t is None:
-            self._plan_held_host.extend(host)
-        else:
-            t.moved = True
-            t.held_host.extend(host)
+        new = self._grow_table(request_id, len(host))
+        self._release_source(request_id, self.host, host)
         return list(zip(host, new))
 
     def detach_prefix(self, request_id: str) -> None:
