@@ -95,6 +95,7 @@ class EngineRequest:
     expected_output_tokens: int | None = None  # the true length: oracles and experiments only
     predicted_output_tokens: int | None = None  # an output-length prediction made upstream
     eos_after: int | None = None  # trace replay: stop as at an EOS after this many tokens (Request.eos_after)
+    cache_prefix: bool = True  # Request.cache_prefix
 
 
 class Request:

@@ -212,6 +212,7 @@ class Engine:
                       eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None)
         req.max_total_tokens = self.max_model_len
         req.eos_after = new.eos_after
+        req.cache_prefix = new.cache_prefix
         if self.length_predictor is not None and self.tokenizer is not None:
             self._predict_length(req, prompt_text)
         self.scheduler.add(req, now)
@@ -390,13 +391,11 @@ class Engine:
                     priority = priority_updates.initial(item)
                 else:
                     priority = (getattr(item, "priority", 0) or 0) if prioritized else 0
-                req = reqs[item.request_id] = self.add_request(
-                    ids, params, request_id=item.request_id, arrival_time=start + item.arrival_time,
-                    user=getattr(item, "user", None), priority=priority,
+                reqs[item.request_id] = self.add(EngineRequest(
+                    item.request_id, ids, params, start + item.arrival_time, getattr(item, "user", None), priority,
                     expected_output_tokens=item.output_len,
                     predicted_output_tokens=getattr(item, "predicted_output_tokens", None),
-                    eos_after=max(1, item.output_len))
-                req.cache_prefix = bool(real)  # placeholder prompts share nothing
+                    eos_after=max(1, item.output_len), cache_prefix=bool(real)))  # placeholders share nothing
                 i += 1
             if not self.has_unfinished():
                 self._wait_until(start + items[i].arrival_time)
