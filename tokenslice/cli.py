@@ -435,8 +435,9 @@ def add_simulation_subcommands(sub: Any) -> None:
     def flag(name: str, **kwargs: Any) -> None:
         add_field_flag(m, SweepSpec, name, **kwargs)
 
-    m.add_argument("--profile", required=True, help="cost model: model@hardware (e.g. opt-13b@a100-40gb) "
-                   "or a profile .json from `tokenslice profile`")
+    m.add_argument("--profile", required=True, help="cost model: model@hardware[:tpN][:nvlink|:pcie] (e.g. "
+                   "opt-13b@a100-40gb, opt-66b@a100-40gb:tp4: tensor parallel over the card's own GPU link, "
+                   "or over PCIe with :pcie) or a profile .json from `tokenslice profile`")
     flag("workload", required=True, choices=list(WORKLOAD_NAMES))
     flag("dataset", help="dataset file or directory (alpaca/sharegpt workloads)")
     flag("tokenizer", help="tokenizer directory that counts dataset tokens")
