@@ -69,3 +69,18 @@ def test_fit_relative_recovers_a_linear_machine() -> None:
         assert cost.coefficients[k] == pytest.approx(v, rel=1e-4)
     assert cost.r2 == pytest.approx(1.0)
     assert GridPoint(decode=(4, 4)).kind == "decode"
+
+
+def test_profile_records_tensor_parallel_degree(tmp_path: Path) -> None:
+    """A profile of a tensor-parallel engine says so: `:tpN` in its name, kept through JSON."""
+    points = profile_grid(max_batch_size=4, max_context=128, max_tokens_per_step=256)
+    samples = [(BatchShape.from_lengths(prefill=list(p.prefill), decode=list(p.decode)), 1e-3 * (i + 1))
+               for i, p in enumerate(points)]
+    cost = fit_relative(samples, kv_bytes_per_token=64, model="stories260k", device="cuda", tensor_parallel=2)
+    assert cost.tensor_parallel == 2 and cost.name == "stories260k@cuda:tp2"
+    path = tmp_path / "tp2.json"
+    cost.save(path)
+    assert json.loads(path.read_text())["tensor_parallel"] == 2
+    loaded = load_cost_model(str(path))
+    assert isinstance(loaded, ProfileCostModel) and loaded.name == "stories260k@cuda:tp2"
+    assert fit_relative(samples, kv_bytes_per_token=64, model="m", device="cpu").name == "m@cpu"

@@ -41,10 +41,11 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def add_field_flag(p: Any, cls: type, name: str, **kwargs: Any) -> argparse.Action:
+def add_field_flag(p: Any, cls: type, name: str, *aliases: str, **kwargs: Any) -> argparse.Action:
     """Add `--name` (kebab case) for the field `name` of the dataclass `cls` (DESIGN.md: flags are
     config field names): its default, type and choices come from the field, so none is written
-    twice. `kwargs` go to argparse (help, metavar, required, ...) and win over the field's."""
+    twice. `aliases` are extra option strings (e.g. "-tp"); `kwargs` go to argparse (help,
+    metavar, required, ...) and win over the field's."""
     f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
     if f is None:
         raise AttributeError(f"{cls.__name__} has no field {name!r}")
@@ -60,7 +61,7 @@ def add_field_flag(p: Any, cls: type, name: str, **kwargs: Any) -> argparse.Acti
         kwargs.setdefault("type", kind)
     if "choices" in f.metadata:
         kwargs.setdefault("choices", list(f.metadata["choices"]))
-    return p.add_argument("--" + name.replace("_", "-"), **kwargs)
+    return p.add_argument("--" + name.replace("_", "-"), *aliases, **kwargs)
 
 
 def policy_list(text: str) -> list[str]:
@@ -497,6 +498,8 @@ def add_simulation_subcommands(sub: Any) -> None:
                        ("samples", "grid points to measure (default: the full grid)"),
                        ("repeats", "timings per point; the median is kept"), ("block_size", None), ("seed", None)):
         add_field_flag(p, ProfileOptions, name, help=text)
+    add_field_flag(p, ProfileOptions, "tensor_parallel_size", "-tp",
+                   help="GPUs to shard the model over; the profile records it (its name shows :tpN)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_profile)
 

@@ -244,7 +244,7 @@ def fit_relative(samples: Sequence[tuple[BatchShape, float]], **kwargs: Any) -> 
     r2 = 1.0 - float(np.sum((y - a @ coef) ** 2)) / ss_tot if ss_tot > 0 else 1.0
     return ProfileCostModel(coefficients=dict(zip(PROFILE_FEATURES, (float(c) for c in coef))),
                             transfer=cost.transfer, kv_bytes_per_token=cost.kv_bytes_per_token, model=cost.model,
-                            device=cost.device, samples=cost.samples, r2=r2)
+                            device=cost.device, samples=cost.samples, r2=r2, tensor_parallel=cost.tensor_parallel)
 
 
 def device_name(device: torch.device) -> str:
@@ -260,6 +260,9 @@ def run_profile(opts: ProfileOptions, progress: Callable[[int, int], None] | Non
 
     if opts.max_batch_size < 1 or opts.repeats < 1 or opts.max_tokens_per_step < 16:
         raise ValueError("profile needs max_batch_size >= 1, repeats >= 1 and max_tokens_per_step >= 16")
+    if opts.tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size {opts.tensor_parallel_size}: this engine runs one process "
+                         "per model; profile with --tensor-parallel-size 1")
     start = time.perf_counter()
     loaded = load_model(ModelConfig(model=opts.model, dtype=opts.dtype, device=opts.device, seed=opts.seed))
     limit = loaded.arch.max_position_embeddings
@@ -296,7 +299,8 @@ def run_profile(opts: ProfileOptions, progress: Callable[[int, int], None] | Non
         log.warning("transfer fit failed (%s); using the PCIe gen4 default", e)
         transfer = TransferSpec(25e9, 10e-6)
     cost = fit_relative(samples, kv_bytes_per_token=runner.block_bytes // bs, transfer=transfer,
-                        model=Path(loaded.name).name or loaded.name, device=device_name(runner.device))
+                        model=Path(loaded.name).name or loaded.name, device=device_name(runner.device),
+                        tensor_parallel=opts.tensor_parallel_size)
     errors = [abs(cost.iteration_seconds(shape) - s) / s for shape, s in samples if s > 0]
     cost = calibrated(cost, engine_calibration(loaded, cost, opts, max_ctx))
     return ProfileReport(cost, samples, transfer_samples, time.perf_counter() - start, errors)

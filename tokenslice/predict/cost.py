@@ -424,7 +424,11 @@ class ProfileCostModel(CostModel):
 
     def __init__(self, coefficients: dict[str, float], transfer: TransferSpec, kv_bytes_per_token: int,
                  model: str = "unknown", device: str = "unknown", samples: int = 0,
-                 r2: float | None = None) -> None:
+                 r2: float | None = None, tensor_parallel: int = 1) -> None:
+        """`tensor_parallel`: GPUs the measured engine sharded the model over (its iteration times
+        include their collectives; KV bytes per token are the whole model's)."""
+        if tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
         missing = [k for k in PROFILE_FEATURES if k not in coefficients and k not in OPTIONAL_FEATURES]
         if missing:
             raise ValueError(f"profile coefficients missing {missing}; need {list(PROFILE_FEATURES)}")
@@ -436,10 +440,12 @@ class ProfileCostModel(CostModel):
         self.device = device
         self.samples = samples
         self.r2 = r2
+        self.tensor_parallel = tensor_parallel
 
     @property
     def name(self) -> str:
-        return f"{self.model}@{self.device}"
+        suffix = f":tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return f"{self.model}@{self.device}{suffix}"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -457,7 +463,8 @@ class ProfileCostModel(CostModel):
         return {"kind": self.kind, "model": self.model, "device": self.device,
                 "coefficients": dict(self.coefficients),
                 "transfer": {"bytes_per_s": self.transfer.bytes_per_s, "op_overhead_s": self.transfer.op_overhead_s},
-                "kv_bytes_per_token": self.kv_bytes_per_token, "samples": self.samples, "r2": self.r2}
+                "kv_bytes_per_token": self.kv_bytes_per_token, "samples": self.samples, "r2": self.r2,
+                "tensor_parallel": self.tensor_parallel}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProfileCostModel:
@@ -465,7 +472,8 @@ class ProfileCostModel(CostModel):
         return cls(coefficients=data["coefficients"],
                    transfer=TransferSpec(float(t["bytes_per_s"]), float(t["op_overhead_s"])),
                    kv_bytes_per_token=int(data["kv_bytes_per_token"]), model=data.get("model", "unknown"),
-                   device=data.get("device", "unknown"), samples=int(data.get("samples", 0)), r2=data.get("r2"))
+                   device=data.get("device", "unknown"), samples=int(data.get("samples", 0)), r2=data.get("r2"),
+                   tensor_parallel=int(data.get("tensor_parallel", 1)))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
@@ -520,7 +528,7 @@ def fit_transfer(samples: Sequence[tuple[int, int, float]]) -> TransferSpec:
 
 def fit_profile(samples: Sequence[tuple[BatchShape, float]], *, kv_bytes_per_token: int,
                 transfer: TransferSpec | Sequence[tuple[int, int, float]] | None = None,
-                model: str = "unknown", device: str = "unknown") -> ProfileCostModel:
+                model: str = "unknown", device: str = "unknown", tensor_parallel: int = 1) -> ProfileCostModel:
     """Least-squares fit of iteration seconds on PROFILE_FEATURES with non-negative coefficients.
 
     Non-negativity keeps the model monotone (more work never predicts less time), which the
@@ -546,7 +554,7 @@ def fit_profile(samples: Sequence[tuple[BatchShape, float]], *, kv_bytes_per_tok
         transfer_spec = fit_transfer(transfer)
     return ProfileCostModel(coefficients=dict(zip(PROFILE_FEATURES, (float(c) for c in coef))),
                             transfer=transfer_spec, kv_bytes_per_token=kv_bytes_per_token, model=model,
-                            device=device, samples=len(samples), r2=r2)
+                            device=device, samples=len(samples), r2=r2, tensor_parallel=tensor_parallel)
 
 
 def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
