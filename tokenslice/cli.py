@@ -469,6 +469,10 @@ def add_simulation_subcommands(sub: Any) -> None:
     flag("starvation_limit_s", help="MLFQ: promote jobs waiting longer than this (default: from the SLO)")
     flag("io_ratio", help="rescale mean input:output length ratio")
     flag("length_filter", help="vLLM's benchmark length filter")
+    flag("record_state", metavar="FILE", help="write the scheduler's state (queues, requests, KV pools; no "
+         "text or token ids) as JSON lines on the virtual clock, every run of the sweep")
+    flag("record_state_interval_s", metavar="S", help="--record-state: at most one snapshot per this many "
+         "simulated seconds per run")
     flag("max_tokens_cap")
     flag("max_prompt_len")
     flag("length_predictor", metavar="DIR",
