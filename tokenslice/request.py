@@ -14,7 +14,9 @@ class RequestState(enum.Enum):
 
 
 MAX_PENALTY = 2.0  # presence / frequency, as OpenAI bounds them
-MAX_REPETITION_PENALTY = 1e4  # past this every repeated token is as good as banned anyway
+# Past these bounds a repeated token is as good as banned (or forced) anyway; closer to 0, dividing
+# a float32 logit by the penalty overflows to inf.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound
 
 
@@ -68,8 +70,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:  # also refuses NaN
                 raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}", name)
-        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], "
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
                                       f"got {self.repetition_penalty}", "repetition_penalty")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
