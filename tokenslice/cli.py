@@ -111,6 +111,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(SchedulerConfig, "slo_normalized_latency", help="s/token; informs policy defaults")
     flag(SchedulerConfig, "length_predictor", metavar="DIR",
          help="output-length predictor directory from `tokenslice predictor build` (srpt-predicted)")
+    flag(SchedulerConfig, "length_predictor_store_text",
+         help="also store each finished prompt's text in the predictor's history (default: only its "
+              "embedding and lengths)")
     _add_scheduler_tuning_args(p, SchedulerConfig)
 
 

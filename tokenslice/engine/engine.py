@@ -125,7 +125,8 @@ class Engine:
         if config.scheduler.length_predictor:
             from tokenslice.predict.length import LengthPredictor
 
-            engine.length_predictor = LengthPredictor.load(config.scheduler.length_predictor)
+            engine.length_predictor = LengthPredictor.load(
+                config.scheduler.length_predictor, store_text=config.scheduler.length_predictor_store_text)
         return engine
 
     def close(self) -> None:
