@@ -136,3 +136,15 @@ def test_penalties_survive_batching_prefix_hits_and_recompute() -> None:
     assert [o.token_ids for o in outs] == alone
     stats = small.engine.scheduler.stats
     assert stats.recomputed_tokens > 0 and stats.prefix_cache_device_hits > 0
+
+
+def test_cli_generate_penalty_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from tokenslice.cli import main
+
+    common = ["generate", "--model", str(STORIES), "--prompt", PROMPT, "--max-tokens", "40", "--temperature", "0"]
+    assert main(common) == 0
+    plain = capsys.readouterr().out
+    assert main([*common, "--repetition-penalty", "1.5", "--min-p", "0.1"]) == 0
+    assert capsys.readouterr().out != plain
+    assert main([*common, "--presence-penalty", "9"]) == 2
+    assert "presence_penalty" in capsys.readouterr().err
