@@ -100,7 +100,8 @@ class Sampler:
             out_ids += s.history_token_ids[split:]
             out_rows += [j] * (len(s.history_token_ids) - split)
         dev = self.device
-        sub = logits[torch.tensor(rows, device=dev)]
+        index = torch.tensor(rows, device=dev)
+        sub = logits[index]
         counts = torch.zeros_like(sub)
         counts.index_put_((torch.tensor(out_rows, dtype=torch.long, device=dev),
                            torch.tensor(out_ids, dtype=torch.long, device=dev)),
@@ -116,7 +117,7 @@ class Sampler:
         rep = column("repetition_penalty")
         sub = torch.where(seen_anywhere, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * seen
-        logits[torch.tensor(rows, device=dev)] = sub
+        logits[index] = sub
 
     def _apply_min_p(self, logits: torch.Tensor, slices: list[SeqSlice]) -> None:
         """Keep tokens whose probability (at the row's temperature) is at least min_p times the
