@@ -39,6 +39,14 @@ class StepTimings:
 
 
 class Executor(Protocol):
+    """Runs plans (DESIGN.md, Executor). `submit` hands over a plan and `poll` returns the
+    oldest submitted plan's result, so several plans may be in flight (pipeline parallelism);
+    `execute(plan)` is submit + poll, what the engine loop calls."""
+
+    def submit(self, plan: StepPlan) -> None: ...
+
+    def poll(self) -> StepResult: ...
+
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def close(self) -> None: ...
