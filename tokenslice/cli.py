@@ -12,7 +12,7 @@ import sys
 import typing
 from typing import Any
 
-from tokenslice.config import EMBED_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenslice.config import EMBED_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenslice.request import SamplingParams
 from tokenslice.sched.registry import POLICY_NAMES
 
@@ -41,10 +41,11 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def add_field_flag(p: Any, cls: type, name: str, **kwargs: Any) -> argparse.Action:
+def add_field_flag(p: Any, cls: type, name: str, *aliases: str, **kwargs: Any) -> argparse.Action:
     """Add `--name` (kebab case) for the field `name` of the dataclass `cls` (DESIGN.md: flags are
-    config field names): its default, type and choices come from the field, so none is written
-    twice. `kwargs` go to argparse (help, metavar, required, ...) and win over the field's."""
+    config field names), and short `aliases` (e.g. "-tp"): its default, type and choices come
+    from the field, so none is written twice. `kwargs` go to argparse (help, metavar, required,
+    ...) and win over the field's."""
     f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
     if f is None:
         raise AttributeError(f"{cls.__name__} has no field {name!r}")
@@ -60,7 +61,7 @@ def add_field_flag(p: Any, cls: type, name: str, **kwargs: Any) -> argparse.Acti
         kwargs.setdefault("type", kind)
     if "choices" in f.metadata:
         kwargs.setdefault("choices", list(f.metadata["choices"]))
-    return p.add_argument("--" + name.replace("_", "-"), **kwargs)
+    return p.add_argument("--" + name.replace("_", "-"), *aliases, **kwargs)
 
 
 def policy_list(text: str) -> list[str]:
@@ -96,6 +97,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(CacheConfig, "block_groups", action=argparse.BooleanOptionalAction,
          help="swap modes: place a request's KV in few contiguous runs, so a swap is few copies "
               "(FastSwitch); off: one copy per block as vLLM")
+    add_field_flag(p, ParallelConfig, "tensor_parallel_size", "-tp",
+                   help="split the model over this many ranks (Megatron-style tensor parallelism)")
+    flag(ParallelConfig, "executor", help="where the model runs: mp = one worker process per rank "
+                                          "(auto: mp with several ranks, else in this process)")
     flag(SchedulerConfig, "policy", choices=list(POLICY_NAMES))
     flag(SchedulerConfig, "preemption")
     flag(SchedulerConfig, "swap_in",

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from tokenslice.clock import RealClock, VirtualClock
@@ -50,6 +51,52 @@ class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class _ModelSide:
+    """The executor Engine.from_config built, and what the rest of the engine needs from it."""
+
+    executor: Executor
+    arch: Any  # model.arch.ArchConfig of the whole model
+    tokenizer: Any
+    name: str
+    max_len: int
+    blocks: int  # device KV blocks (on every rank)
+    host_blocks: int
+    swap_block_bytes: int  # one block on the host tier, whole model (all ranks)
+    runner: Any = None  # model.runner.ModelRunner when the model runs in this process
+
+    @staticmethod
+    def start(config: EngineConfig, swapping: bool) -> _ModelSide:
+        """The model in this process, or in one worker process per tensor-parallel rank."""
+        from tokenslice.model.loader import load_arch, load_tokenizer
+
+        if config.parallel.multiproc:
+            from tokenslice.exec.multiproc import MultiprocExecutor
+
+            arch = load_arch(config.model)
+            limit = arch.max_position_embeddings
+            max_len = min(config.model.max_model_len or limit, limit)
+            tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+            mp = MultiprocExecutor(config.model, config.cache, config.parallel.tensor_parallel_size,
+                                   max_model_len=max_len, max_batch_size=config.scheduler.max_batch_size,
+                                   host_tier=swapping)
+            return _ModelSide(mp, arch, tokenizer, str(Path(config.model.model)), max_len, mp.num_blocks,
+                              mp.num_host_blocks, mp.host_block_bytes)
+        from tokenslice.exec.local import LocalExecutor
+        from tokenslice.model.loader import load_model
+        from tokenslice.model.runner import ModelRunner, num_host_kv_blocks, num_kv_blocks
+
+        loaded = load_model(config.model)
+        limit = loaded.arch.max_position_embeddings
+        max_len = min(config.model.max_model_len or limit, limit)
+        blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
+        host_blocks = num_host_kv_blocks(config.cache, loaded) if swapping else 0
+        runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed,
+                             num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype)
+        return _ModelSide(LocalExecutor(runner), loaded.arch, loaded.tokenizer, loaded.name, max_len, blocks,
+                          host_blocks, runner.host_block_bytes, runner)
 
 
 class TraceItem(Protocol):
@@ -99,42 +146,40 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        from tokenslice.exec.local import LocalExecutor
-        from tokenslice.model.loader import load_model
-        from tokenslice.model.runner import ModelRunner, num_host_kv_blocks, num_kv_blocks
-
         config.validate()
-        loaded = load_model(config.model)
-        limit = loaded.arch.max_position_embeddings
-        max_len = min(config.model.max_model_len or limit, limit)
-        blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
         swapping = PREEMPTION_STRATEGIES[config.scheduler.preemption].uses_host_tier
-        host_blocks = num_host_kv_blocks(config.cache, loaded) if swapping else 0
-        if swapping and host_blocks == 0:
-            log.warning("preemption %s without host KV space (--swap-space-gb 0): every eviction recomputes",
-                        config.scheduler.preemption)
-        runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed,
-                             num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype)
-        log.info("model %s (%s, %s on %s): %d KV blocks of %d tokens, %d host blocks", loaded.name,
-                 loaded.arch.architecture, loaded.dtype, loaded.device, blocks, config.cache.block_size, host_blocks)
-        # Block groups (FastSwitch §3.1) so a swap is a few large copies.
-        kv = KVManager(config.cache.block_size, blocks, host_blocks, contiguous=swapping and config.cache.block_groups,
-                       prefix_caching=config.cache.enable_prefix_caching)
-        cost = load_cost_model(config.profile) if config.profile else None
-        ctx = PolicyContext(config.scheduler, cost)
-        scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, ctx), kv, ctx,
-                              swap_block_bytes=runner.host_block_bytes)
-        eos = loaded.tokenizer.eos_token_id if loaded.tokenizer.eos_token_id is not None else loaded.arch.eos_token_id
-        eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-        engine = cls(scheduler, LocalExecutor(runner), tokenizer=loaded.tokenizer, clock=RealClock(),
-                     max_model_len=max_len, vocab_size=loaded.arch.vocab_size, eos_token_ids=eos_ids,
-                     model_name=loaded.name)
-        engine.runner = runner
-        if config.scheduler.length_predictor:
-            from tokenslice.predict.length import LengthPredictor
+        side = _ModelSide.start(config, swapping)
+        try:  # the workers must not outlive a failed start
+            blocks, host_blocks = side.blocks, side.host_blocks
+            if swapping and host_blocks == 0:
+                log.warning("preemption %s without host KV space (--swap-space-gb 0): every eviction recomputes",
+                            config.scheduler.preemption)
+            log.info("model %s (%s, tensor-parallel size %d): %d KV blocks of %d tokens, %d host blocks",
+                     side.name, side.arch.architecture, config.parallel.tensor_parallel_size, blocks,
+                     config.cache.block_size, host_blocks)
+            # Block groups (FastSwitch §3.1) so a swap is a few large copies.
+            kv = KVManager(config.cache.block_size, blocks, host_blocks,
+                           contiguous=swapping and config.cache.block_groups,
+                           prefix_caching=config.cache.enable_prefix_caching)
+            cost = load_cost_model(config.profile) if config.profile else None
+            ctx = PolicyContext(config.scheduler, cost)
+            scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, ctx), kv, ctx,
+                                  swap_block_bytes=side.swap_block_bytes)
+            eos = side.tokenizer.eos_token_id if side.tokenizer.eos_token_id is not None else side.arch.eos_token_id
+            eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+            engine = cls(scheduler, side.executor, tokenizer=side.tokenizer, clock=RealClock(),
+                         max_model_len=side.max_len, vocab_size=side.arch.vocab_size, eos_token_ids=eos_ids,
+                         model_name=side.name)
+            if side.runner is not None:  # the model in this process (tests and benchmarks read it)
+                engine.runner = side.runner
+            if config.scheduler.length_predictor:
+                from tokenslice.predict.length import LengthPredictor
 
-            engine.length_predictor = LengthPredictor.load(config.scheduler.length_predictor)
-        return engine
+                engine.length_predictor = LengthPredictor.load(config.scheduler.length_predictor)
+            return engine
+        except BaseException:
+            side.executor.close()
+            raise
 
     def close(self) -> None:
         """Release executor resources (transfer threads) and the length predictor. Idempotent."""

@@ -31,7 +31,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LoadedModel:
     model: nn.Module
     arch: ArchConfig
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: Any  # a transformers tokenizer (None if not loaded)
     dtype: torch.dtype
     device: torch.device
     name: str
@@ -80,10 +80,11 @@ def load_arch(cfg: ModelConfig) -> ArchConfig:
     return parse_config(raw, str(cfg_file))
 
 
-def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1) -> LoadedModel:
-    """The model on its device. With tp_size > 1, rank `rank`'s share of it (model/tp.py): only
-    its slices of the weights are read, the result's `arch` is the share's (its heads, hence its
-    KV partition), and on CUDA it lives on cuda:rank."""
+def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True) -> LoadedModel:
+    """The model on its device, and its tokenizer unless `with_tokenizer` is False (seconds of
+    imports that a worker process does without). With tp_size > 1, rank `rank`'s share of it
+    (model/tp.py): only its slices of the weights are read, the result's `arch` is the share's
+    (its heads, hence its KV partition), and on CUDA it lives on cuda:rank."""
     device = resolve_device(cfg.device)
     arch = load_arch(cfg)
     shard = TPShard(arch, rank, tp_size) if tp_size > 1 else None
@@ -97,14 +98,13 @@ def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1) -> LoadedModel
     model.tie_weights()  # to_empty gives each parameter fresh storage, which unties them
     if cfg.model == BUILTIN_TINY:
         _copy_weights(model, _builtin_weights(arch), shard)
-        tokenizer, name = builtin_tokenizer(), BUILTIN_TINY
     else:
         _load_weights(model, arch, Path(cfg.model), shard)
-        tokenizer, name = load_tokenizer(cfg.tokenizer or cfg.model), cfg.model
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model) if with_tokenizer else None
     _rebuild_buffers(model, local)
     if shard is not None:
         parallelize(model, shard)
-    return LoadedModel(_finalize(model, device, dtype), local, tokenizer, dtype, device, name)
+    return LoadedModel(_finalize(model, device, dtype), local, tokenizer, dtype, device, str(Path(cfg.model)))
 
 
 def _builtin_weights(arch: ArchConfig) -> nn.Module:
