@@ -41,9 +41,10 @@ class WorkerError(RuntimeError):
 class _Workers:
     """The processes and sockets, apart from the executor so that an exit hook can reap them."""
 
-    procs: list = field(default_factory=list)  # torch.multiprocessing spawn-context Process
+    procs: list = field(default_factory=list)  # torch.multiprocessing spawn-context Processes, by rank
     ctx: zmq.Context = field(default_factory=zmq.Context)
-    sockets: list[zmq.Socket] = field(default_factory=list)
+    plans: list[zmq.Socket] = field(default_factory=list)  # PUSH to each rank
+    results: zmq.Socket | None = None  # PULL from all ranks
     tmpdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="tokenslice-tp-"))
     stop_timeout_s: float = 10.0
     closed: bool = False
@@ -54,7 +55,7 @@ class _Workers:
         if self.closed:
             return
         self.closed = True
-        for sock in self.sockets[1:]:
+        for sock in self.plans:
             try:
                 sock.send_multipart([STOP, b""], zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -69,8 +70,9 @@ class _Workers:
             if p.is_alive():
                 p.kill()
                 p.join()
-        for sock in self.sockets:
-            sock.close(linger=0)
+        for sock in [*self.plans, self.results]:
+            if sock is not None:
+                sock.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
@@ -92,10 +94,8 @@ class MultiprocExecutor:
         self._transfer_seconds: dict[str, float] = {}
         w = self._workers = _Workers()
         self._finalizer = multiprocessing.util.Finalize(self, w.close, exitpriority=10)
-        results = w.ctx.socket(zmq.PULL)
-        results.bind(f"ipc://{w.tmpdir}/results")
-        w.sockets.append(results)
-        self._results = results
+        self._results = w.results = w.ctx.socket(zmq.PULL)
+        self._results.bind(f"ipc://{w.tmpdir}/results")
         threads = max(1, torch.get_num_threads() // tp_size)  # CPU ranks share this process's cores
         mp = torch.multiprocessing.get_context("spawn")
         try:
@@ -103,7 +103,7 @@ class MultiprocExecutor:
                 sock = w.ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDTIMEO, int(poll_interval_s * 1000))
                 sock.bind(f"ipc://{w.tmpdir}/plans-{rank}")
-                w.sockets.append(sock)
+                w.plans.append(sock)
                 spec = WorkerSpec(model, cache, rank, tp_size, max_model_len, max_batch_size, host_tier,
                                   f"ipc://{w.tmpdir}/plans-{rank}", f"ipc://{w.tmpdir}/results",
                                   f"file://{w.tmpdir}/rendezvous", threads, os.getpid())
@@ -167,7 +167,7 @@ class MultiprocExecutor:
         return merged
 
     def _send(self, kind: bytes, body: bytes) -> None:
-        for sock in self._workers.sockets[1:]:
+        for sock in self._workers.plans:
             self._wait(lambda s=sock: _try_send(s, [kind, body]))
 
     def _gather(self, kind: bytes) -> list[bytes]:

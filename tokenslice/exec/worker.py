@@ -68,13 +68,6 @@ class WorkerSpec:
     parent_pid: int
 
 
-def _device(model: ModelConfig, rank: int) -> torch.device:
-    from tokenslice.model.loader import resolve_device
-
-    device = resolve_device(model.device)
-    return torch.device("cuda", rank) if device.type == "cuda" else device
-
-
 def worker_main(spec: WorkerSpec) -> None:
     """The process's entry point: rendezvous, load, serve plans until STOP or the engine is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it stops us
@@ -108,10 +101,10 @@ def worker_main(spec: WorkerSpec) -> None:
 def _serve(spec: WorkerSpec, plans: zmq.Socket, results: zmq.Socket, rank: bytes) -> None:
     import torch.distributed as dist
 
-    from tokenslice.model.loader import load_model
+    from tokenslice.model.loader import load_model, rank_device
     from tokenslice.model.runner import ModelRunner, host_block_bytes, num_host_kv_blocks, num_kv_blocks
 
-    device = _device(spec.model, spec.rank)
+    device = rank_device(spec.model.device, spec.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:

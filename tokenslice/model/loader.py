@@ -45,6 +45,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def rank_device(name: str, rank: int) -> torch.device:
+    """A tensor-parallel rank's device: its own GPU, cuda:rank, on CUDA; else the device."""
+    device = resolve_device(name)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
 def resolve_dtype(name: str, arch: ArchConfig, device: torch.device) -> torch.dtype:
     if name == "auto":
         if device.type == "cpu":
@@ -85,11 +91,9 @@ def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer
     imports that a worker process does without). With tp_size > 1, rank `rank`'s share of it
     (model/tp.py): only its slices of the weights are read, the result's `arch` is the share's
     (its heads, hence its KV partition), and on CUDA it lives on cuda:rank."""
-    device = resolve_device(cfg.device)
     arch = load_arch(cfg)
     shard = TPShard(arch, rank, tp_size) if tp_size > 1 else None
-    if shard is not None and device.type == "cuda":
-        device = torch.device("cuda", rank)
+    device = rank_device(cfg.device, rank) if shard is not None else resolve_device(cfg.device)
     local = shard.local_arch if shard is not None else arch
     dtype = resolve_dtype(cfg.dtype, arch, device)
     with torch.device("meta"):
