@@ -4,11 +4,13 @@ happening; a killed worker makes the engine raise instead of hanging. Each -tp 2
 once per module and runs several scenarios (each start spawns two workers)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
 
 import pytest
+import torch
 
 from conftest import STORIES, build_tiny_checkpoint
 from tokenslice import LLM, SamplingParams
@@ -17,6 +19,8 @@ from tokenslice.config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.exec.multiproc import MultiprocExecutor, WorkerError
 from tokenslice.kv.manager import KVManager
+from tokenslice.model.arch import ModelLoadError, parse_config
+from tokenslice.model.tp import TPShard
 from tokenslice.plan import SeqSlice, StepPlan
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
@@ -83,6 +87,28 @@ def test_cli_and_config():
     assert not EngineConfig.from_options().parallel.multiproc
     with pytest.raises(ValueError, match="executor uni"):
         EngineConfig.from_options(tensor_parallel_size=2, executor="uni").validate()
+
+
+def test_shard_arithmetic():
+    arch = parse_config({"architectures": ["LlamaForCausalLM"], "vocab_size": 259, "hidden_size": 64,
+                         "num_hidden_layers": 1, "num_attention_heads": 8, "num_key_value_heads": 2,
+                         "intermediate_size": 171})
+    shards = [TPShard(arch, r, 4) for r in range(4)]
+    assert [s.query_heads for s in shards] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [s.kv_heads for s in shards] == [(0, 1), (0, 1), (1, 1), (1, 1)]  # each KV head on two ranks
+    assert [s.mlp_rows for s in shards] == [(0, 42), (42, 85), (85, 128), (128, 171)]  # uneven is exact
+    assert [s.vocab_rows for s in shards] == [(0, 65), (65, 130), (130, 195), (195, 259)]
+    assert shards[3].local_arch.vocab_size == 65  # padded; the padding's logits are cut off
+    full = torch.arange(259 * 2, dtype=torch.float32).view(259, 2)
+    part = shards[3].read("model.embed_tokens.weight", full, (65, 2))
+    assert torch.equal(part[:64], full[195:]) and not part[64:].any()
+    bias = torch.ones(64)
+    assert shards[0].read("model.layers.0.mlp.down_proj.bias", bias, (64,)).sum() == 64
+    assert shards[1].read("model.layers.0.mlp.down_proj.bias", bias, (64,)).sum() == 0  # added once
+    with pytest.raises(ModelLoadError, match="attention heads"):
+        TPShard(arch, 0, 3)
+    with pytest.raises(ModelLoadError, match="KV heads"):
+        TPShard(dataclasses.replace(arch, num_kv_heads=3, num_heads=6), 0, 2)
 
 
 @pytest.mark.parametrize("preemption", PREEMPTION_MODES)
