@@ -87,6 +87,8 @@ def test_cli_and_config():
     assert not EngineConfig.from_options().parallel.multiproc
     with pytest.raises(ValueError, match="executor uni"):
         EngineConfig.from_options(tensor_parallel_size=2, executor="uni").validate()
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size 3 must divide the 8 attention heads"):
+        LLM(str(STORIES), tensor_parallel_size=3)  # refused before any worker starts
 
 
 def test_shard_arithmetic():

@@ -74,8 +74,10 @@ class _ModelSide:
 
         if config.parallel.multiproc:
             from tokenslice.exec.multiproc import MultiprocExecutor
+            from tokenslice.model.tp import TPShard
 
             arch = load_arch(config.model)
+            TPShard(arch, 0, config.parallel.tensor_parallel_size)  # refuses a size the heads do not fit
             limit = arch.max_position_embeddings
             max_len = min(config.model.max_model_len or limit, limit)
             tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
