@@ -104,7 +104,7 @@ def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer
         _copy_weights(model, _builtin_weights(arch), shard)
     else:
         _load_weights(model, arch, Path(cfg.model), shard)
-    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model) if with_tokenizer else None
+    tokenizer = model_tokenizer(cfg, arch) if with_tokenizer else None
     _rebuild_buffers(model, local)
     if shard is not None:
         parallelize(model, shard)
@@ -145,6 +145,15 @@ def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.
     return model
 
 
+def model_tokenizer(cfg: ModelConfig, arch: ArchConfig) -> Any:
+    """The model's tokenizer (--tokenizer, else the model directory's), checked against its vocabulary."""
+    source = cfg.tokenizer or str(Path(cfg.model))
+    tokenizer = load_tokenizer(source)
+    if cfg.model != BUILTIN_TINY:
+        check_vocab(tokenizer, arch, source, str(Path(cfg.model)))
+    return tokenizer
+
+
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
@@ -154,6 +163,17 @@ def load_tokenizer(path: str) -> Any:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many kinds; all mean the same to the user
         raise ModelLoadError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e})") from None
+
+
+def check_vocab(tokenizer: Any, arch: ArchConfig, tokenizer_source: str, model_source: str) -> None:
+    """Every id the tokenizer can produce must have an embedding row. A smaller tokenizer is fine:
+    checkpoints pad the vocabulary (Qwen2, OPT) and those rows are never fed in."""
+    size = max(tokenizer.get_vocab().values(), default=-1) + 1
+    if size > arch.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer {tokenizer_source!r} has {size} tokens but model {model_source!r} has only {arch.vocab_size} "
+            f"embedding rows (vocab_size); ids {arch.vocab_size}..{size - 1} would index past them. "
+            f"Use the tokenizer made for this model")
 
 
 def _rebuild_buffers(model: nn.Module, arch: ArchConfig) -> None:
