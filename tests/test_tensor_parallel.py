@@ -132,6 +132,18 @@ def test_stories_every_memory_mode_matches_one_rank(stories_tp2, preemption):
     _assert_all_free(engine.scheduler)
 
 
+def test_seeded_sampling_and_penalties_match_one_rank(stories_tp2):
+    # Every field of SamplingParams crosses to the workers (logit_bias: a dict with int keys).
+    params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7),
+              SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3, frequency_penalty=0.5,
+                             logit_bias={13: 5.0}, ignore_eos=True)]
+    prompts = [LONG[0][:20], SHORT[1]]
+    with LLM(str(STORIES), dtype="float32") as one:
+        want = [o.token_ids for o in one.generate(prompts, params)]
+    _reschedule(stories_tp2.engine, "recompute")
+    assert [o.token_ids for o in stories_tp2.generate(prompts, params)] == want
+
+
 def test_plans_in_flight_come_back_in_order(stories_tp2):
     ex = stories_tp2.engine.executor
     plans = [StepPlan(prefill=[SeqSlice(f"raw-{i}", p, 0, [i], True, GREEDY, 0)])
