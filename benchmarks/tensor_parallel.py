@@ -6,7 +6,7 @@ with as many threads as -tp 2 has processes (the same cores), and -tp 2 with one
 worker. The time is the engine step's wall time over decode-only steps (scheduling, messages,
 all-reduces and sampling included).
 
-    .venv/bin/python benchmarks/tensor_parallel.py [--batches 1,16] [--out results/tensor_parallel.json]
+    PYTHONPATH=. .venv/bin/python benchmarks/tensor_parallel.py [--batches 1,16] [--out results/tensor_parallel.json]
 """
 from __future__ import annotations
 
@@ -23,22 +23,74 @@ import torch
 
 from engine_vs_hf import NEW, PROMPT, build_checkpoint, prompts
 from tokenslice import LLM, SamplingParams
+from tokenslice.plan import StepPlan, StepResult
+
+# Prompts are token ids below 32000; a tokenizer no larger than the model's vocabulary passes the
+# loader's check (GPT-2's, which the checkpoint carries, has 50257 tokens).
+TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
 
 
-def decode_step_ms(llm: LLM, batch: int) -> float:
-    """Median wall milliseconds of the decode-only steps of one batch run to completion."""
+def decode_step_ms(llm: LLM, batch: int) -> tuple[float, float]:
+    """Median milliseconds of the decode-only steps of one batch run to completion: the engine
+    step's wall time, and the executor's own step time (the slowest rank's, all-reduces
+    included; the rest of the wall time is scheduling and, with workers, the messages)."""
     eng = llm.engine
     llm.generate(prompts(2).tolist(), SamplingParams(max_tokens=4, temperature=0))  # warm-up
     for p in prompts(batch).tolist():
         eng.add_request(p, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
-    steps = []
+    reported: list[float] = []
+    execute = eng.executor.execute
+
+    def timed(plan: StepPlan) -> StepResult:
+        result = execute(plan)
+        reported.append(result.step_seconds)
+        return result
+
+    eng.executor.execute = timed
+    walls, execs = [], []
     while eng.has_unfinished():
         decode = all(r.num_computed_tokens > 0 for r in eng.scheduler.requests.values())
         t = time.perf_counter()
         eng.step()
         if decode:
-            steps.append(time.perf_counter() - t)
-    return 1000 * statistics.median(steps)
+            walls.append(time.perf_counter() - t)
+            execs.append(reported[-1])
+    eng.executor.execute = execute
+    return 1000 * statistics.median(walls), 1000 * statistics.median(execs)
+
+
+def _allreduce_worker(rank: int, init: str, rows: list[int], out: torch.multiprocessing.Queue) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    times = {}
+    for n in rows:
+        x = torch.randn(n, 512)
+        for _ in range(20):
+            dist.all_reduce(x)
+        t = time.perf_counter()
+        for _ in range(200):
+            dist.all_reduce(x)
+        times[n] = (time.perf_counter() - t) / 200 * 1e6
+    if rank == 0:
+        out.put(times)
+    dist.destroy_process_group()
+
+
+def allreduce_us(rows: list[int]) -> dict[int, float]:
+    """Microseconds of one gloo all-reduce of [rows, 512] fp32 between two processes: a -tp 2
+    decode step of this model makes 18 (two per layer, the embedding's, the head's gather)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_allreduce_worker, args=(r, f"file://{d}/init", rows, out)) for r in range(2)]
+        for p in procs:
+            p.start()
+        times = out.get(timeout=300)
+        for p in procs:
+            p.join(60)
+    return times
 
 
 def main() -> None:
@@ -53,17 +105,22 @@ def main() -> None:
         params = build_checkpoint(Path(d))
         for label, tp, threads in configs:
             torch.set_num_threads(threads)  # -tp 2: each worker gets threads // tp
-            with LLM(d, dtype="float32", tensor_parallel_size=tp, max_batch_size=max(batches),
-                     kv_cache_blocks=max(batches) * (PROMPT + NEW) // 16 + 8) as llm:
-                rows.append({"config": label, **{f"batch_{b}_step_ms": decode_step_ms(llm, b) for b in batches}})
+            with LLM(d, tokenizer=str(TOKENIZER), dtype="float32", tensor_parallel_size=tp,
+                     max_batch_size=max(batches), kv_cache_blocks=max(batches) * (PROMPT + NEW) // 16 + 8) as llm:
+                for b in batches:
+                    wall, model = decode_step_ms(llm, b)
+                    rows.append({"config": label, "batch": b, "step_ms": wall, "executor_step_ms": model})
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}; model {params / 1e6:.1f}M params fp32; median decode step (ms)")
-    print(f"{'config':<22}" + "".join(f"{'batch ' + str(b):>10}" for b in batches))
+          f"torch {torch.__version__}; model {params / 1e6:.1f}M params fp32; median decode step")
+    print(f"{'config':<22}{'batch':>6}{'step ms':>10}{'executor ms':>13}")
     for r in rows:
-        print(f"{r['config']:<22}" + "".join(f"{r[f'batch_{b}_step_ms']:>10.2f}" for b in batches))
+        print(f"{r['config']:<22}{r['batch']:>6}{r['step_ms']:>10.2f}{r['executor_step_ms']:>13.2f}")
+    collective = allreduce_us(batches)
+    print("gloo all-reduce of [batch, 512] fp32, 2 processes: "
+          + ", ".join(f"batch {b}: {us:.0f} us" for b, us in collective.items()))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"params": params, "rows": rows}, indent=2))
+        Path(args.out).write_text(json.dumps({"params": params, "rows": rows, "allreduce_us": collective}, indent=2))
 
 
 if __name__ == "__main__":
