@@ -185,3 +185,20 @@ def test_killed_worker_raises_and_close_reaps(stories_tp2):
         engine.step()
     stories_tp2.close()
     assert all(not p.is_alive() for p in procs)
+
+
+def test_server_with_two_ranks_answers_like_one():
+    import openai
+
+    from serverkit import start_server
+
+    prompt = [1, 72, 101, 108, 108, 111]
+    with LLM("builtin:tiny") as one:  # 259-token vocabulary: an uneven split of the head
+        want = one.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
+    with start_server("-tp", "2", "--api-key", "k") as srv:
+        procs = list(srv.engine.executor._workers.procs)
+        client = openai.OpenAI(base_url=srv.url("/v1"), api_key="k")
+        r = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want and r.usage.completion_tokens == 12
+    assert all(not p.is_alive() for p in procs)  # the server's shutdown closed the engine
