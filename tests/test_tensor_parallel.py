@@ -8,6 +8,9 @@ import dataclasses
 import os
 import random
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -185,6 +188,32 @@ def test_killed_worker_raises_and_close_reaps(stories_tp2):
         engine.step()
     stories_tp2.close()
     assert all(not p.is_alive() for p in procs)
+
+
+def test_workers_leave_when_the_engine_process_dies():
+    # An engine process killed without closing anything: its idle workers notice and exit.
+    code = ("import os, sys\n"
+            "from tokenslice import LLM\n"
+            "if __name__ == '__main__':\n"
+            "    llm = LLM('builtin:tiny', tensor_parallel_size=2)\n"
+            "    print(*[p.pid for p in llm.engine.executor._workers.procs], flush=True)\n"
+            "    os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 30  # a failure deadline: they check every second
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie that no init has reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_server_with_two_ranks_answers_like_one():
