@@ -20,11 +20,13 @@ from tokenslice import LLM, SamplingParams
 from tokenslice.cli import build_parser, engine_config_from_args
 from tokenslice.config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.exec.sim import SimulatedExecutor
 from tokenslice.exec.multiproc import MultiprocExecutor, WorkerError
 from tokenslice.kv.manager import KVManager
 from tokenslice.model.arch import ModelLoadError, parse_config
 from tokenslice.model.tp import TPShard
 from tokenslice.plan import SeqSlice, StepPlan
+from tokenslice.predict.cost import load_cost_model
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler
@@ -145,6 +147,17 @@ def test_seeded_sampling_and_penalties_match_one_rank(stories_tp2):
         want = [o.token_ids for o in one.generate(prompts, params)]
     _reschedule(stories_tp2.engine, "recompute")
     assert [o.token_ids for o in stories_tp2.generate(prompts, params)] == want
+
+
+def test_immediate_executors_queue_results_in_order():
+    sim = SimulatedExecutor(load_cost_model("opt-13b@a100-40gb"))
+    plans = [StepPlan(decode=[SeqSlice(f"r{i}", [0], 10 * i, [0], True, GREEDY, 0)]) for i in (1, 2)]
+    for plan in plans:
+        sim.submit(plan)
+    assert [list(sim.poll().sampled) for _ in plans] == [["r1"], ["r2"]]
+    with pytest.raises(RuntimeError, match="no plan submitted"):
+        sim.poll()
+    assert list(sim.execute(plans[0]).sampled) == ["r1"]
 
 
 def test_plans_in_flight_come_back_in_order(stories_tp2):
