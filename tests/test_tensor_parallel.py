@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -209,10 +210,13 @@ def test_workers_leave_when_the_engine_process_dies():
             "from tokenslice import LLM\n"
             "if __name__ == '__main__':\n"
             "    llm = LLM('builtin:tiny', tensor_parallel_size=2)\n"
-            "    print(*[p.pid for p in llm.engine.executor._workers.procs], flush=True)\n"
+            "    workers = llm.engine.executor._workers\n"
+            "    print(workers.tmpdir, *[p.pid for p in workers.procs], flush=True)\n"
             "    os._exit(0)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    pids = [int(p) for p in out.stdout.split()]
+    tmpdir, *pids = out.stdout.split()
+    shutil.rmtree(tmpdir)  # its sockets' directory, which nobody closed
+    pids = [int(p) for p in pids]
     assert len(pids) == 2
     deadline = time.monotonic() + 30  # a failure deadline: they check every second
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
