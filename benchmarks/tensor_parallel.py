@@ -25,9 +25,6 @@ from engine_vs_hf import NEW, PROMPT, build_checkpoint, prompts
 from tokenslice import LLM, SamplingParams
 from tokenslice.plan import StepPlan, StepResult
 
-# Prompts are token ids below 32000; a tokenizer no larger than the model's vocabulary passes the
-# loader's check (GPT-2's, which the checkpoint carries, has 50257 tokens).
-TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
 
 
 def decode_step_ms(llm: LLM, batch: int) -> tuple[float, float]:
@@ -105,7 +102,7 @@ def main() -> None:
         params = build_checkpoint(Path(d))
         for label, tp, threads in configs:
             torch.set_num_threads(threads)  # -tp 2: each worker gets threads // tp
-            with LLM(d, tokenizer=str(TOKENIZER), dtype="float32", tensor_parallel_size=tp,
+            with LLM(d, dtype="float32", tensor_parallel_size=tp,
                      max_batch_size=max(batches), kv_cache_blocks=max(batches) * (PROMPT + NEW) // 16 + 8) as llm:
                 for b in batches:
                     wall, model = decode_step_ms(llm, b)
