@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from tokenslice.engine.engine import Engine
 from tokenslice.sched.stats import SchedulerStats
@@ -55,6 +56,21 @@ class EngineStats:
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)  # a copy, frozen with the rest
     num_steps: int = 0
     num_faults: int = 0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the API server needs to know of the engine it fronts; fixed once the engine is built."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    uses_priority: bool  # the policy reads Request.priority (others refuse a non-zero one)
+
+
+def engine_info(engine: Engine) -> EngineInfo:
+    return EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
+                      engine.scheduler.policy.uses_priority)
 
 
 def read_stats(engine: Engine, num_faults: int = 0) -> EngineStats:
@@ -135,14 +151,46 @@ class _LoopState:
 OutputObserver = Callable[[RequestOutput], None]
 
 
+class EngineClient(Protocol):
+    """What the API server drives: AsyncEngine (the engine on a thread of this process) or
+    EngineCoreClient (engine/core_client.py: the engine in a process of its own)."""
+
+    info: EngineInfo
+    tokenizer: Any
+    stats: EngineStats
+    observer: OutputObserver | None  # sees every output the engine produces (metrics)
+    on_dead: Callable[[], None] | None  # called once, in the event loop, if the engine dies
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    @property
+    def num_queued(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def add_request(self, request: EngineRequest) -> RequestStream: ...
+
+    def abort(self, stream: RequestStream) -> None: ...
+
+    async def set_priority(self, request_id: str, priority: int) -> bool: ...
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]: ...
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, *, max_waiting: int = 1024,
                  observer: OutputObserver | None = None) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = engine
+        self.info = engine_info(engine)
+        self.tokenizer = engine.tokenizer
         self.max_waiting = max_waiting
         self.observer = observer  # called in the loop thread for every output (metrics)
+        self.on_dead: Callable[[], None] | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._state = _LoopState()
         self._thread: threading.Thread | None = None
@@ -162,6 +210,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="tokenslice-engine", daemon=True)
         self._thread.start()
 
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._thread is None:
             return
@@ -179,6 +230,9 @@ class AsyncEngine:
     @property
     def num_queued(self) -> int:
         return self._num_queued
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.tokenize(prompt)
 
     # ---- requests (event-loop side) ---------------------------------------------------------
     async def add_request(self, request: EngineRequest) -> RequestStream:
@@ -275,6 +329,8 @@ class AsyncEngine:
                 self.stats = read_stats(self.engine, self._state.num_faults)
         except Exception:
             log.exception("engine loop crashed")
+            if self.on_dead is not None:
+                self._call_soon(self.on_dead)
         finally:
             with self._lock:
                 self._alive = False

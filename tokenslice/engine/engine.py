@@ -67,6 +67,17 @@ class PriorityUpdates(Protocol):
     def at_iteration(self, iteration: int, live_request_ids: list[str]) -> dict[str, int]: ...
 
 
+def tokenize_prompt(tokenizer: Any | None, prompt: str | list[int]) -> list[int]:
+    """A prompt's token ids, as the engine adds them (text gets the tokenizer's special tokens)."""
+    if isinstance(prompt, str):
+        if not prompt:  # checked before tokenizing: a BOS token would hide it
+            raise InvalidRequestError("prompt is empty", "prompt")
+        if tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; send token ids", "prompt")
+        return list(tokenizer(prompt)["input_ids"])
+    return list(prompt)
+
+
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, *, tokenizer: Any | None,
                  clock: RealClock | VirtualClock, max_model_len: int, vocab_size: int,
@@ -88,6 +99,8 @@ class Engine:
         self.max_fast_forward_steps = 4096
         self.length_predictor: Any | None = None  # predict.length.LengthPredictor, for srpt-predicted
         self._prompt_text: dict[str, str] = {}
+        # Off in the engine-core process: the API server detokenizes and applies stop strings there.
+        self.detokenize = True
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -173,13 +186,7 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:  # checked before tokenizing: a BOS token would hide it
-                raise InvalidRequestError("prompt is empty", "prompt")
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer; send token ids", "prompt")
-            return list(self.tokenizer(prompt)["input_ids"])
-        return list(prompt)
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -216,7 +223,7 @@ class Engine:
         if self.length_predictor is not None and self.tokenizer is not None:
             self._predict_length(req, prompt_text)
         self.scheduler.add(req, now)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and self.detokenize:
             self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         return req
 

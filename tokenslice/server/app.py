@@ -1,4 +1,4 @@
-"""FastAPI app: OpenAI-compatible routes over an AsyncEngine (DESIGN.md, Data flow).
+"""FastAPI app: OpenAI-compatible routes over an engine client (DESIGN.md, Data flow).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/requests/{id}/priority,
 GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version,
@@ -33,9 +33,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenslice.engine.async_engine import (AsyncEngine, EngineDeadError, EngineFaultError,
+from tokenslice.engine.async_engine import (EngineClient, EngineDeadError, EngineFaultError, EngineInfo,
                                             EngineOverloadedError, RequestStream)
-from tokenslice.engine.engine import Engine
 from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput, SamplingParams
 from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
@@ -45,6 +44,7 @@ from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCom
                                         ErrorResponse, ModelCard, ModelList, PriorityResponse, PriorityUpdate,
                                         SamplingFields, TokenizeRequest, TokenizeResponse, UsageInfo,
                                         VersionResponse)
+from tokenslice.server.settings import ServerSettings
 
 log = logging.getLogger("tokenslice.server")
 
@@ -67,15 +67,6 @@ def package_version() -> str:
         return importlib.metadata.version("tokenslice")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return "0+unknown"
-
-
-@dataclass
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    max_waiting: int = 1024  # requests admitted but without a first token; more get 429
-    max_body_bytes: int = 4 * 1024 * 1024
-    retry_after_s: int = 1
 
 
 class APIError(Exception):
@@ -289,12 +280,13 @@ class _ClientGone(Exception):
 
 # ---- the server ---------------------------------------------------------------------------------
 class Server:
-    """Request handling shared by the routes; holds the AsyncEngine and the metrics."""
+    """Request handling shared by the routes; holds the engine client and the metrics."""
 
-    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
-        self.engine = engine
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.settings = settings
-        self.async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting)
+        self.async_engine = engine
+        self.info = engine.info
+        self.tokenizer = engine.tokenizer
         self.metrics = ServerMetrics(settings.served_model_name, lambda: self.async_engine.stats,
                                      lambda: self.async_engine.num_queued)
         self.async_engine.observer = self.metrics.observe
@@ -329,7 +321,7 @@ class Server:
             raise APIError(400, str(e), param=e.param) from None
         # No request can outgrow the context, so larger limits mean the same; clamping keeps
         # absurd JSON integers out of the policies' arithmetic.
-        cap = self.engine.max_model_len
+        cap = self.info.max_model_len
         params.max_tokens = min(params.max_tokens, cap)
         params.min_tokens = min(params.min_tokens, cap)
         return params
@@ -341,32 +333,32 @@ class Server:
         Tokenizing a body-limit-sized prompt takes seconds of CPU; this refuses hopeless ones
         first. No token spells more characters than its longest vocabulary entry; the factor 4
         leaves room for normalizers that merge characters."""
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if tok is None:
             return None
         longest = max((len(t) for t in tok.get_vocab()), default=1)
-        return self.engine.max_model_len * max(1, longest) * 4
+        return self.info.max_model_len * max(1, longest) * 4
 
     def _check_length(self, text: str, param: str) -> None:
         limit = self.max_prompt_chars
         if limit is not None and len(text) > limit:
             raise APIError(400, f"{param} has {len(text)} characters, more than this model's context of "
-                                f"{self.engine.max_model_len} tokens can hold", param=param)
+                                f"{self.info.max_model_len} tokens can hold", param=param)
 
     def tokenize_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         self._check_length(prompt, "prompt")
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if not add_special_tokens and tok is not None:  # /tokenize only: the engine always adds them
             return list(tok(prompt, add_special_tokens=False)["input_ids"])
         try:
-            return self.engine.tokenize(prompt)
+            return self.async_engine.tokenize(prompt)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     add_special_tokens: bool = False) -> list[int]:
         """Messages -> token ids through the model's chat template."""
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, f"model {self.settings.served_model_name!r} has no chat template, so it cannot "
                                 "serve /v1/chat/completions; use /v1/completions with a plain prompt",
@@ -477,7 +469,7 @@ class Server:
         stream = await self.submit(track, ids, params, body, track.start)
         echo = ""
         if body.echo:  # ids were accepted, so they decode
-            echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids) if self.engine.tokenizer else ""
+            echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids) if self.tokenizer else ""
         model, created = self.settings.served_model_name, int(time.time())
 
         if body.stream:
@@ -524,7 +516,7 @@ class Server:
         ids = await run_in_threadpool(self.render_chat, body.messages, body.add_generation_prompt)
         requested = body.max_completion_tokens or body.max_tokens
         # Without a limit, a chat reply may use the rest of the context (the engine stops there).
-        params = self.sampling_params(body, requested or max(1, self.engine.max_model_len - len(ids)))
+        params = self.sampling_params(body, requested or max(1, self.info.max_model_len - len(ids)))
         stream = await self.submit(track, ids, params, body, track.start)
         model, created = self.settings.served_model_name, int(time.time())
 
@@ -578,7 +570,7 @@ class Server:
         return PriorityResponse(id=request_id, priority=body.priority)
 
     def model_card(self) -> ModelCard:
-        return ModelCard(id=self.settings.served_model_name, max_model_len=self.engine.max_model_len)
+        return ModelCard(id=self.settings.served_model_name, max_model_len=self.info.max_model_len)
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         """vLLM's /tokenize: what the completion and chat routes would feed the engine."""
@@ -591,16 +583,16 @@ class Server:
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await run_in_threadpool(self.tokenize_prompt, body.prompt, special)
-        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+        return TokenizeResponse(count=len(ids), max_model_len=self.info.max_model_len, tokens=ids)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(body.model)
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer", param="tokens")
-        bad = next((t for t in body.tokens if not 0 <= t < self.engine.vocab_size), None)
+        bad = next((t for t in body.tokens if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{self.engine.vocab_size - 1})",
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{self.info.vocab_size - 1})",
                            param="tokens")
         return DetokenizeResponse(prompt=await run_in_threadpool(tok.decode, body.tokens))
 
@@ -693,7 +685,7 @@ def _model_name_schema(name: str) -> dict[str, Any]:
     return {"type": "string", "enum": [name]}
 
 
-def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Engine) -> None:
+def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: EngineInfo) -> None:
     """What this server accepts beyond the pydantic types: its model name, token ids in its
     vocabulary, one prompt per request, and the fields it does not support yet at their off
     values (the handlers answer those with a specific 400)."""
@@ -707,7 +699,7 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
                                       {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}])
         for penalty in ("presence_penalty", "frequency_penalty"):
             _narrow(props[penalty], type="number", enum=[0])
-        if not engine.scheduler.policy.uses_priority:
+        if not engine.uses_priority:
             _narrow(props["priority"], type="integer", enum=[0])
     comp = comps["CompletionRequest"]["properties"]
     _narrow(comp["prompt"], anyOf=[
@@ -730,7 +722,7 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
             op.get("responses", {}).pop("422", None)  # invalid bodies get 400, as OpenAI answers
 
 
-def _install_openapi(app: FastAPI, settings: ServerSettings, engine: Engine) -> None:
+def _install_openapi(app: FastAPI, settings: ServerSettings, engine: EngineInfo) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
@@ -741,17 +733,19 @@ def _install_openapi(app: FastAPI, settings: ServerSettings, engine: Engine) -> 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+    """The app over an engine client: AsyncEngine (in this process) or EngineCoreClient (the
+    engine-core process); the app's lifespan starts and stops it."""
     server = Server(engine, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.async_engine.start()
-        log.info("serving %s (max_model_len=%d)", settings.served_model_name, engine.max_model_len)
+        log.info("serving %s (max_model_len=%d)", settings.served_model_name, engine.info.max_model_len)
         try:
             yield
         finally:
-            await run_in_threadpool(server.async_engine.shutdown)
+            await server.async_engine.stop()
 
     app = FastAPI(title="tokenslice", version=package_version(), lifespan=lifespan,
                   description="OpenAI-compatible server with token-level preemptive scheduling")
@@ -851,7 +845,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    _install_openapi(app, settings, engine)
+    _install_openapi(app, settings, engine.info)
     # Added last = outermost: the key is checked before any body is read.
     app.add_middleware(UnexpectedErrorMiddleware, handler=_unexpected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=server.metrics.reject)
