@@ -143,13 +143,13 @@ class EngineCore:
         messages = []
         while True:
             try:
-                frame = self.inp.recv(zmq.NOBLOCK, copy=False)
+                frame = self.inp.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return messages
-            messages.append(self.decoder.decode(frame.buffer))
+            messages.append(self.decoder.decode(frame))
 
     def _send(self, msg: CoreOutput) -> None:
-        self.out.send(self.encoder.encode(msg), copy=False)
+        self.out.send(self.encoder.encode(msg))
 
     def _apply(self, msg: CoreInput, reply: CoreOutput) -> None:
         if isinstance(msg, AddRequest):

@@ -231,7 +231,7 @@ class EngineCoreClient:
             self._priority_calls.pop(call_id, None)
 
     def _send(self, msg: Any) -> None:
-        self._to_core.send(self._encoder.encode(msg), copy=False)
+        self._to_core.send(self._encoder.encode(msg))
 
     def _unqueue(self, stream: RequestStream) -> None:
         if stream.queued:
@@ -241,7 +241,7 @@ class EngineCoreClient:
     # ---- core -> streams (event loop) ---------------------------------------------------------------
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            msg = self._decoder.decode(await sock.recv(copy=False))
+            msg = self._decoder.decode(await sock.recv())
             if isinstance(msg, CoreOutput):
                 self._on_output(msg)
             elif isinstance(msg, Fatal):

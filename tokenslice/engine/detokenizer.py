@@ -11,14 +11,33 @@ concatenated stream equals the final text.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 CONTEXT_TOKENS = 5
 
 
+def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True)`, straight from the Rust tokenizer when the
+    Python wrapper would return its text unchanged: the wrapper's argument checks cost several
+    times the decode itself, twice per token of every stream."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another tokenizer library: its own decode
+        TokenizersBackend = None  # noqa: N806
+    cls = type(tokenizer)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and cls.decode is TokenizersBackend.decode and cls._decode is TokenizersBackend._decode
+            and not tokenizer.clean_up_tokenization_spaces):
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str]) -> None:
         self.tokenizer = tokenizer
+        self._decode = _decoder(tokenizer)
         self.stop = stop
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
@@ -27,9 +46,6 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded output so far (cut before a stop string once found)
         self._emitted = 0
         self.stopped = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token_ids: list[int], final: bool = False) -> None:
         """Decode new tokens; sets `stopped` if a stop string appeared (text is cut before it).

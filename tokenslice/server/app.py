@@ -15,6 +15,7 @@ import asyncio
 import functools
 import hmac
 import importlib.metadata
+import json
 import logging
 import os
 import time
@@ -264,6 +265,24 @@ def _sse(payload: str) -> str:
 
 
 _DONE = "data: [DONE]\n\n"
+_TEXT_MARK = "tokenslice-text-mark"
+
+
+class _TextChunk:
+    """SSE events of a stream's chunks that differ only in their text: pydantic renders the chunk
+    once, and each token's text is spliced into that JSON (one string escape per token instead of
+    building and dumping models; the JSON means the same)."""
+
+    def __init__(self, render: Callable[[str], str]) -> None:
+        self.render = render
+        page, mark = render(_TEXT_MARK), json.dumps(_TEXT_MARK)
+        head, _, tail = page.partition(mark)
+        self.parts = (head, tail) if page.count(mark) == 1 else None
+
+    def __call__(self, text: str) -> str:
+        if self.parts is None:
+            return _sse(self.render(text))
+        return f"data: {self.parts[0]}{json.dumps(text, ensure_ascii=False)}{self.parts[1]}\n\n"
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -475,10 +494,15 @@ class Server:
         if body.stream:
             include_usage, continuous = _usage_options(body)
 
-            def chunk(text: str, finish: str | None) -> str:
-                return _sse(CompletionChunk(id=track.request_id, created=created, model=model, choices=[
+            def render(text: str, finish: str | None = None) -> str:
+                return CompletionChunk(id=track.request_id, created=created, model=model, choices=[
                     CompletionChoice(text=text, finish_reason=finish)],
-                    usage=track.usage if continuous else None).model_dump_json())
+                    usage=track.usage if continuous else None).model_dump_json()
+
+            text_chunk = None if continuous else _TextChunk(render)
+
+            def chunk(text: str, finish: str | None) -> str:
+                return text_chunk(text) if text_chunk and finish is None else _sse(render(text, finish))
 
             async def events() -> AsyncIterator[str]:
                 try:
@@ -523,10 +547,15 @@ class Server:
         if body.stream:
             include_usage, continuous = _usage_options(body)
 
-            def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
-                return _sse(ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[
+            def render(delta: DeltaMessage, finish: str | None = None) -> str:
+                return ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[
                     ChatStreamChoice(delta=delta, finish_reason=finish)],
-                    usage=track.usage if continuous else None).model_dump_json())
+                    usage=track.usage if continuous else None).model_dump_json()
+
+            def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
+                return _sse(render(delta, finish))
+
+            text_chunk = None if continuous else _TextChunk(lambda text: render(DeltaMessage(content=text)))
 
             async def events() -> AsyncIterator[str]:
                 try:
@@ -534,7 +563,8 @@ class Server:
                     async for out in stream:
                         track.update(out)
                         if out.text_delta or out.new_token_ids:  # one chunk per token, as above
-                            yield chunk(DeltaMessage(content=out.text_delta))
+                            yield (text_chunk(out.text_delta) if text_chunk
+                                   else chunk(DeltaMessage(content=out.text_delta)))
                         if out.finished:
                             yield chunk(DeltaMessage(), _finish(out))
                     if include_usage:
