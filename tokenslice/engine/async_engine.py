@@ -180,24 +180,82 @@ class EngineClient(Protocol):
     def tokenize(self, prompt: str | list[int]) -> list[int]: ...
 
 
-class AsyncEngine:
-    def __init__(self, engine: Engine, *, max_waiting: int = 1024,
-                 observer: OutputObserver | None = None) -> None:
+class StreamAdmission:
+    """The event-loop side both engine clients share: the bound on admitted requests still
+    waiting for their first output (max_waiting; more are refused for a 429), and handing
+    results to streams."""
+
+    def __init__(self, max_waiting: int) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.max_waiting = max_waiting
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._num_queued = 0  # admitted requests without a first output yet
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    def abort(self, stream: RequestStream) -> None:
+        raise NotImplementedError
+
+    def _new_stream(self, request_id: str) -> RequestStream:
+        """A stream for a request about to be handed to the engine; raises EngineOverloadedError."""
+        if self._loop is None:
+            raise EngineDeadError("the engine client was never started")
+        if self._num_queued >= self.max_waiting:
+            raise EngineOverloadedError(f"{self._num_queued} requests are already waiting")
+        return RequestStream(request_id, self._loop)
+
+    async def _accepted(self, stream: RequestStream) -> RequestStream:
+        """Count a handed-over request as waiting and return its stream once the engine accepted it."""
+        self._num_queued += 1
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(stream)  # the client went away while the request was being queued
+            raise
+        return stream
+
+    def _unqueue(self, stream: RequestStream) -> None:
+        if stream.queued:
+            stream.queued = False
+            self._num_queued -= 1
+
+    def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
+        """The engine's answer to an add: accepted, or refused with `error`."""
+        if error is not None:
+            self._unqueue(stream)
+        if not stream.accepted.done():  # done already if the handler was cancelled
+            if error is None:
+                stream.accepted.set_result(None)
+            else:
+                stream.accepted.set_exception(error)
+
+    def _put(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
+        self._unqueue(stream)
+        if not stream.accepted.done():  # failed before the handler heard it was accepted
+            if isinstance(item, BaseException):
+                stream.accepted.set_exception(item)
+                return
+            stream.accepted.set_result(None)
+        stream._queue.put_nowait(item)
+
+
+class AsyncEngine(StreamAdmission):
+    def __init__(self, engine: Engine, *, max_waiting: int = 1024,
+                 observer: OutputObserver | None = None) -> None:
+        super().__init__(max_waiting)
         self.engine = engine
         self.info = engine_info(engine)
         self.tokenizer = engine.tokenizer
-        self.max_waiting = max_waiting
         self.observer = observer  # called in the loop thread for every output (metrics)
         self.on_dead: Callable[[], None] | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._state = _LoopState()
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._alive = False
         self._lock = threading.Lock()  # orders "loop ended" against enqueuing an add
-        self._num_queued = 0  # event-loop side: admitted requests without a first output yet
         self.stats = read_stats(engine)
 
     # ---- lifecycle (event-loop side) --------------------------------------------------------
@@ -227,10 +285,6 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._alive and self._thread is not None and self._thread.is_alive()
 
-    @property
-    def num_queued(self) -> int:
-        return self._num_queued
-
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return self.engine.tokenize(prompt)
 
@@ -239,22 +293,12 @@ class AsyncEngine:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError for a
         request the engine refuses, EngineOverloadedError when max_waiting requests already
         wait for their first token, EngineDeadError when the loop is not running."""
-        if self._loop is None:
-            raise EngineDeadError("the engine loop was never started")
-        if self._num_queued >= self.max_waiting:
-            raise EngineOverloadedError(f"{self._num_queued} requests are already waiting")
-        stream = RequestStream(request.request_id, self._loop)
+        stream = self._new_stream(request.request_id)
         with self._lock:
             if not self.is_alive:
                 raise EngineDeadError("the engine loop is not running")
             self._commands.put(_Add(stream, request))
-        self._num_queued += 1
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(stream)  # the client went away while the request was being queued
-            raise
-        return stream
+        return await self._accepted(stream)
 
     def abort(self, stream: RequestStream) -> None:
         """Stop a request (its client left); its KV blocks are freed before the next step."""
@@ -276,11 +320,6 @@ class AsyncEngine:
             self._commands.put(_SetPriority(request_id, priority, result))
         return await result
 
-    def _unqueue(self, stream: RequestStream) -> None:
-        if stream.queued:
-            stream.queued = False
-            self._num_queued -= 1
-
     # ---- loop thread -> event loop ----------------------------------------------------------
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
         assert self._loop is not None
@@ -288,15 +327,6 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is left to tell
             pass
-
-    def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
-        if error is not None:
-            self._unqueue(stream)
-        if not stream.accepted.done():  # done already if the handler was cancelled
-            if error is None:
-                stream.accepted.set_result(None)
-            else:
-                stream.accepted.set_exception(error)
 
     @staticmethod
     def _resolve(future: asyncio.Future[bool], result: bool | BaseException) -> None:
@@ -309,13 +339,7 @@ class AsyncEngine:
 
     def _deliver(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
         for stream, item in items:
-            self._unqueue(stream)
-            if not stream.accepted.done():  # failed before the handler heard it was accepted
-                if isinstance(item, BaseException):
-                    stream.accepted.set_exception(item)
-                    continue
-                stream.accepted.set_result(None)
-            stream._queue.put_nowait(item)
+            self._put(stream, item)
 
     # ---- the loop (its own thread; the only code that touches the engine) --------------------
     def _run(self) -> None:

@@ -31,8 +31,8 @@ import zmq
 import zmq.asyncio
 
 from tokenslice.config import EngineConfig
-from tokenslice.engine.async_engine import (EngineDeadError, EngineFaultError, EngineOverloadedError, OutputObserver,
-                                            RequestStream)
+from tokenslice.engine.async_engine import (EngineDeadError, EngineFaultError, OutputObserver, RequestStream,
+                                            StreamAdmission)
 from tokenslice.engine.core import run_engine_core
 from tokenslice.engine.core_messages import (Abort, AddRequest, CoreMessage, CoreOutput, Fatal, Ready, Refusal,
                                              SetPriority, Shutdown, StartupFailed)
@@ -79,14 +79,12 @@ def _stop_core(process: Any) -> None:
         process.join()
 
 
-class EngineCoreClient:
+class EngineCoreClient(StreamAdmission):
     def __init__(self, config: EngineConfig, *, max_waiting: int = 1024, observer: OutputObserver | None = None,
                  log_level: int = logging.INFO) -> None:
         """Start the core and wait until its engine is built; raises EngineStartupError if it cannot."""
-        if max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        super().__init__(max_waiting)
         config.validate()
-        self.max_waiting = max_waiting
         self.observer = observer  # called in the event loop for every output of the core (metrics)
         self.on_dead: Callable[[], None] | None = None
         self._dir = tempfile.mkdtemp(prefix="tokenslice-core-")  # private: the ipc sockets live here
@@ -120,8 +118,6 @@ class EngineCoreClient:
         self._stopped: set[str] = set()  # ended here on a stop string; the core's last output is dropped
         self._priority_calls: dict[int, asyncio.Future[bool]] = {}
         self._call_ids = itertools.count()
-        self._num_queued = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: asyncio.Task[None] | None = None
         self._dead = False
         self._stopping = False
@@ -179,34 +175,19 @@ class EngineCoreClient:
     def is_alive(self) -> bool:
         return not self._dead and not self._stopping and self.process.is_alive()
 
-    @property
-    def num_queued(self) -> int:
-        return self._num_queued
-
     # ---- requests (event-loop side) --------------------------------------------------------------
     async def add_request(self, request: EngineRequest) -> RequestStream:
         """Send a request to the core; returns once the engine accepted it. Raises what
         AsyncEngine.add_request raises (InvalidRequestError, EngineOverloadedError, EngineDeadError)."""
-        if self._loop is None:
-            raise EngineDeadError("the engine client was never started")
+        stream = self._new_stream(request.request_id)
         if not self.is_alive:
             raise EngineDeadError("the engine core is not running")
-        if self._num_queued >= self.max_waiting:
-            raise EngineOverloadedError(f"{self._num_queued} requests are already waiting")
-        rid = request.request_id
-        stream = RequestStream(rid, self._loop)
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params.stop)
-        self._live[rid] = _Live(stream, detok)
-        self._num_queued += 1
+        self._live[request.request_id] = _Live(stream, detok)
         self._send(AddRequest(request))
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(stream)  # the client went away while the request was being queued
-            raise
-        return stream
+        return await self._accepted(stream)
 
     def abort(self, stream: RequestStream) -> None:
         """Stop a request (its client left); the core frees its KV blocks before its next step."""
@@ -233,11 +214,6 @@ class EngineCoreClient:
     def _send(self, msg: Any) -> None:
         self._to_core.send(self._encoder.encode(msg))
 
-    def _unqueue(self, stream: RequestStream) -> None:
-        if stream.queued:
-            stream.queued = False
-            self._num_queued -= 1
-
     # ---- core -> streams (event loop) ---------------------------------------------------------------
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -251,7 +227,9 @@ class EngineCoreClient:
         for reply in msg.added:
             live = self._live.get(reply.request_id)
             if live is not None:
-                self._settle(live, reply.error)
+                if reply.error is not None:
+                    del self._live[reply.request_id]
+                self._settle(live.stream, None if reply.error is None else self._error(reply.error))
         for p in msg.priorities:
             future = self._priority_calls.get(p.call_id)
             if future is not None and not future.done():
@@ -273,17 +251,6 @@ class EngineCoreClient:
     @staticmethod
     def _error(refusal: Refusal) -> Exception:
         return InvalidRequestError(refusal.message, refusal.param) if refusal.invalid else EngineFaultError(refusal.message)
-
-    def _settle(self, live: _Live, error: Refusal | None) -> None:
-        stream = live.stream
-        if error is not None:
-            self._unqueue(stream)
-            self._live.pop(stream.request_id, None)
-        if not stream.accepted.done():  # done already if the handler was cancelled
-            if error is None:
-                stream.accepted.set_result(None)
-            else:
-                stream.accepted.set_exception(self._error(error))
 
     def _deliver(self, out: RequestOutput) -> None:
         rid = out.request_id
@@ -318,15 +285,6 @@ class EngineCoreClient:
                 self.observer(out)
             except Exception:  # metrics must never take the server down
                 log.exception("output observer failed")
-
-    def _put(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
-        self._unqueue(stream)
-        if not stream.accepted.done():  # failed before the handler heard it was accepted
-            if isinstance(item, BaseException):
-                stream.accepted.set_exception(item)
-                return
-            stream.accepted.set_result(None)
-        stream._queue.put_nowait(item)
 
     # ---- death ---------------------------------------------------------------------------------------
     def _on_exit(self) -> None:
