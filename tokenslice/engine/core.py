@@ -9,7 +9,7 @@ blocks on its input instead of spinning, and exits when the API server that star
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import logging
 import os
 import signal
@@ -95,8 +95,8 @@ def _wire_output(out: RequestOutput) -> RequestOutput:
     keeps the rest), so a step's message does not grow with each request's length."""
     m = out.metrics
     if m is not None:
-        times = m.token_times
-        out.metrics = dataclasses.replace(m, token_times=times[len(times) - len(out.new_token_ids):])
+        out.metrics = copy.copy(m)  # the engine's record stays whole
+        out.metrics.token_times = m.token_times[len(m.token_times) - len(out.new_token_ids):]
     return out
 
 
