@@ -1,9 +1,10 @@
 """Prometheus metrics for the server, named `tokenslice:*` after vLLM's `vllm:*` where vLLM has
 an equivalent (so existing dashboards need only the prefix changed).
 
-Gauges and engine-wide counters are read at scrape time from the AsyncEngine's latest stats
-snapshot; per-request histograms and token counters are fed by `observe`, which the engine
-loop calls for every output. Each app gets its own CollectorRegistry (no global state).
+Gauges and engine-wide counters are read at scrape time from the engine client's latest stats
+snapshot (from the engine-core process, or the in-process loop); per-request histograms and
+token counters are fed by `observe`, which the engine client calls for every output. Each app
+gets its own CollectorRegistry (no global state).
 """
 from __future__ import annotations
 
