@@ -654,8 +654,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait for their first token; more get 429 with Retry-After")
     add_field_flag(s, ServerSettings, "max_body_bytes", help="larger request bodies get 413")
     add_field_flag(s, ServerSettings, "engine_process", action=argparse.BooleanOptionalAction,
-                   help="run the engine core in its own process (HTTP work then never holds its interpreter "
-                        "lock); --no-engine-process: on a thread of the server process")
+                   help="run the engine core in its own process, the default (HTTP work then never holds its "
+                        "interpreter lock); --no-engine-process: on a thread of the server process")
     s.set_defaults(func=cmd_serve)
     add_simulation_subcommands(sub)
     add_bench_subcommand(sub)
