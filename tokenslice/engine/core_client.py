@@ -216,12 +216,16 @@ class EngineCoreClient(StreamAdmission):
 
     # ---- core -> streams (event loop) ---------------------------------------------------------------
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            msg = self._decoder.decode(await sock.recv())
-            if isinstance(msg, CoreOutput):
-                self._on_output(msg)
-            elif isinstance(msg, Fatal):
-                self._die(f"the engine core failed: {msg.message}")
+        try:
+            while True:
+                msg = self._decoder.decode(await sock.recv())
+                if isinstance(msg, CoreOutput):
+                    self._on_output(msg)
+                elif isinstance(msg, Fatal):
+                    self._die(f"the engine core failed: {msg.message}")
+        except Exception as e:  # without its reader the server can only hang: fail loudly instead
+            log.exception("reading the engine core's outputs failed")
+            self._die(f"reading the engine core's outputs failed: {type(e).__name__}: {e}")
 
     def _on_output(self, msg: CoreOutput) -> None:
         for reply in msg.added:
