@@ -26,6 +26,9 @@ class SeqSlice:
     params: SamplingParams
     num_output_tokens: int  # before this step; for min_tokens
     eos_token_id: int | None = None
+    # Prompt + output token ids so far, only for a sampling slice whose params need them
+    # (penalties): the runner cannot rebuild them (earlier steps, prefix-cache hits, recompute).
+    history_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

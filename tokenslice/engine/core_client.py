@@ -184,7 +184,7 @@ class EngineCoreClient(StreamAdmission):
             raise EngineDeadError("the engine core is not running")
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params.stop)
+            detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids, request.params)
         self._live[request.request_id] = _Live(stream, detok)
         self._send(AddRequest(request))
         return await self._accepted(stream)
@@ -270,7 +270,9 @@ class EngineCoreClient(StreamAdmission):
             out.metrics = live.merge(out.metrics)
         det = live.detok
         if det is not None:
-            det.add(out.new_token_ids, final=out.finished)
+            det.add_step(out.new_token_ids, out.finish_reason if out.finished else None)
+            if out.finished:
+                det.add([], final=True)  # release bytes held back waiting for a character to complete
             if det.stopped and not out.finished:  # a stop string: end it here, free its KV there
                 out.finished, out.finish_reason = True, "stop"
                 if out.metrics is not None and out.metrics.token_times:

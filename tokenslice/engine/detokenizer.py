@@ -14,13 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from tokenslice.request import SamplingParams
+
 CONTEXT_TOKENS = 5
 
 
-def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, skip_special_tokens=True)`, straight from the Rust tokenizer when the
-    Python wrapper would return its text unchanged: the wrapper's argument checks cost several
-    times the decode itself, twice per token of every stream."""
+def _decoder(tokenizer: Any, options: dict[str, bool]) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, **options)`, straight from the Rust tokenizer when the Python wrapper
+    would return its text unchanged: the wrapper's argument checks cost several times the decode
+    itself, twice per token of every stream."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another tokenizer library: its own decode
@@ -28,17 +30,24 @@ def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
     cls = type(tokenizer)
     if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
             and cls.decode is TokenizersBackend.decode and cls._decode is TokenizersBackend._decode
-            and not tokenizer.clean_up_tokenization_spaces):
-        backend = tokenizer.backend_tokenizer
-        return lambda ids: backend.decode(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+            and not tokenizer.clean_up_tokenization_spaces and set(options) == {"skip_special_tokens"}):
+        backend, skip = tokenizer.backend_tokenizer, options["skip_special_tokens"]
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids: tokenizer.decode(ids, **options)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], *,
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 include_stop_str: bool = False) -> None:
         self.tokenizer = tokenizer
-        self._decode = _decoder(tokenizer)
         self.stop = stop
+        self.include_stop_str = include_stop_str
+        # Only what differs from the tokenizer's defaults, so tokenizers without the option work.
+        self._decode_options: dict[str, bool] = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:
+            self._decode_options["spaces_between_special_tokens"] = False
+        self._decode = _decoder(tokenizer, self._decode_options)
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -46,6 +55,19 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded output so far (cut before a stop string once found)
         self._emitted = 0
         self.stopped = False
+
+    @classmethod
+    def for_request(cls, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        """The detokenizer of a request's output, as its sampling parameters ask."""
+        return cls(tokenizer, prompt_token_ids, params.stop, skip_special_tokens=params.skip_special_tokens,
+                   spaces_between_special_tokens=params.spaces_between_special_tokens,
+                   include_stop_str=params.include_stop_str_in_output)
+
+    def add_step(self, token_ids: list[int], finish_reason: str | None) -> None:
+        """A step's new tokens. One that finished the request with "stop" (EOS, stop_token_ids;
+        a stop string is found in the text instead) stays out of the text unless
+        include_stop_str, as vLLM does."""
+        self.add([] if finish_reason == "stop" and not self.include_stop_str else token_ids)
 
     def add(self, token_ids: list[int], final: bool = False) -> None:
         """Decode new tokens; sets `stopped` if a stop string appeared (text is cut before it).
@@ -62,9 +84,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         # A stop string may straddle old and new text; the earliest match wins.
-        hits = [at for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
+        hits = [(at, at + len(s)) for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
         if hits:
-            self.text = self.text[:min(hits)]
+            start, end = min(hits)
+            self.text = self.text[:end if self.include_stop_str else start]
             self.stopped = True
 
     def delta(self, final: bool) -> str:

@@ -138,7 +138,8 @@ class Engine:
         if config.scheduler.length_predictor:
             from tokenslice.predict.length import LengthPredictor
 
-            engine.length_predictor = LengthPredictor.load(config.scheduler.length_predictor)
+            engine.length_predictor = LengthPredictor.load(
+                config.scheduler.length_predictor, store_text=config.scheduler.length_predictor_store_text)
         return engine
 
     def close(self) -> None:
@@ -206,6 +207,7 @@ class Engine:
         `prompt_text` spares the length predictor a detokenization."""
         params = new.params
         params.validate()
+        params.check_vocab(self.vocab_size)
         self._check_priority(new.priority)
         ids = list(new.prompt_token_ids)
         self._check_prompt(ids)
@@ -224,7 +226,7 @@ class Engine:
             self._predict_length(req, prompt_text)
         self.scheduler.add(req, now)
         if self.tokenizer is not None and self.detokenize:
-            self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            self._detok[req.request_id] = IncrementalDetokenizer.for_request(self.tokenizer, ids, params)
         return req
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -303,7 +305,7 @@ class Engine:
             for req in produced:
                 det = self._detok.get(req.request_id)
                 if det is not None:
-                    det.add(req.output_token_ids[-1:])
+                    det.add_step(req.output_token_ids[-1:], req.finish_reason)
                     if det.stopped and not req.is_finished:
                         self.scheduler.finish(req.request_id, "stop", now)
         finished = self.scheduler.take_finished()
