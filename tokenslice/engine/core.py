@@ -10,6 +10,7 @@ blocks on its input instead of spinning, and exits when the API server that star
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import signal
@@ -66,6 +67,9 @@ def run_engine_core(config: bytes, input_address: str, output_address: str, log_
             code = 1
             return
         engine.detokenize = False
+        # What startup built (the model, torch's and transformers' objects) lives as long as the
+        # process: keep it out of every later full collection, a pause between two steps.
+        gc.freeze()
         try:
             out.send(encoder.encode(Ready(engine_info(engine), read_stats(engine))))
             EngineCore(engine, inp, out, parent).run()

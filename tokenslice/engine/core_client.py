@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -144,6 +145,7 @@ class EngineCoreClient(StreamAdmission):
         if self._loop is not None:
             raise RuntimeError("EngineCoreClient already started")
         self._loop = asyncio.get_running_loop()
+        gc.freeze()  # startup's objects live as long as the server: no full collection rescans them
         sock = zmq.asyncio.Socket.from_socket(self._from_core)
         self._reader = self._loop.create_task(self._read(sock), name="tokenslice-core-reader")
         self._loop.add_reader(self.process.sentinel, self._on_exit)
