@@ -124,6 +124,17 @@ class PriorityUpdates(Protocol):
     def at_iteration(self, iteration: int, live_request_ids: list[str]) -> dict[str, int]: ...
 
 
+def tokenize_prompt(tokenizer: Any | None, prompt: str | list[int]) -> list[int]:
+    """A prompt's token ids, as the engine adds them (text gets the tokenizer's special tokens)."""
+    if isinstance(prompt, str):
+        if not prompt:  # checked before tokenizing: a BOS token would hide it
+            raise InvalidRequestError("prompt is empty", "prompt")
+        if tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; send token ids", "prompt")
+        return list(tokenizer(prompt)["input_ids"])
+    return list(prompt)
+
+
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, *, tokenizer: Any | None,
                  clock: RealClock | VirtualClock, max_model_len: int, vocab_size: int,
@@ -145,6 +156,8 @@ class Engine:
         self.max_fast_forward_steps = 4096
         self.length_predictor: Any | None = None  # predict.length.LengthPredictor, for srpt-predicted
         self._prompt_text: dict[str, str] = {}
+        # Off in the engine-core process: the API server detokenizes and applies stop strings there.
+        self.detokenize = True
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -229,13 +242,7 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:  # checked before tokenizing: a BOS token would hide it
-                raise InvalidRequestError("prompt is empty", "prompt")
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer; send token ids", "prompt")
-            return list(self.tokenizer(prompt)["input_ids"])
-        return list(prompt)
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -273,11 +280,8 @@ class Engine:
         if self.length_predictor is not None and self.tokenizer is not None:
             self._predict_length(req, prompt_text)
         self.scheduler.add(req, now)
-        if self.tokenizer is not None:
-            self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, ids, params.stop, skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-                include_stop_str=params.include_stop_str_in_output)
+        if self.tokenizer is not None and self.detokenize:
+            self._detok[req.request_id] = IncrementalDetokenizer.for_request(self.tokenizer, ids, params)
         return req
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -356,10 +360,7 @@ class Engine:
             for req in produced:
                 det = self._detok.get(req.request_id)
                 if det is not None:
-                    # Finished with "stop" before any stop string was seen: the token itself
-                    # (EOS, stop_token_ids) stopped it, and stays out of the text unless asked (vLLM).
-                    stop_token = req.finish_reason == "stop" and not req.params.include_stop_str_in_output
-                    det.add([] if stop_token else req.output_token_ids[-1:])
+                    det.add_step(req.output_token_ids[-1:], req.finish_reason)
                     if det.stopped and not req.is_finished:
                         self.scheduler.finish(req.request_id, "stop", now)
         finished = self.scheduler.take_finished()
