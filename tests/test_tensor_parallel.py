@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,9 +243,23 @@ def test_server_with_two_ranks_answers_like_one():
     with LLM("builtin:tiny") as one:  # 259-token vocabulary: an uneven split of the head
         want = one.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].text
     with start_server("-tp", "2", "--api-key", "k") as srv:
-        procs = list(srv.engine.executor._workers.procs)
+        # The engine core runs in its own process and starts the two rank workers.
+        core = srv.core_pid
+        workers = [int(c) for c in Path(f"/proc/{core}/task/{core}/children").read_text().split()]
+        assert len(workers) >= 2
         client = openai.OpenAI(base_url=srv.url("/v1"), api_key="k")
         r = client.completions.create(model="builtin:tiny", prompt=prompt, max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].text == want and r.usage.completion_tokens == 12
-    assert all(not p.is_alive() for p in procs)  # the server's shutdown closed the engine
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in [core, *workers]):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in [core, *workers])  # the server's shutdown closed the engine
+
+
+def _alive(pid: int) -> bool:
+    """Running, not reaped and not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
