@@ -84,3 +84,22 @@ def test_profile_records_tensor_parallel_degree(tmp_path: Path) -> None:
     loaded = load_cost_model(str(path))
     assert isinstance(loaded, ProfileCostModel) and loaded.name == "stories260k@cuda:tp2"
     assert fit_relative(samples, kv_bytes_per_token=64, model="m", device="cpu").name == "m@cpu"
+
+
+@pytest.mark.timeout(300)
+def test_profile_tensor_parallel_stories260k(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tokenslice profile -tp 2` times the grid on two worker processes and says so in the profile."""
+    from conftest import STORIES
+
+    out = tmp_path / "tp2.json"
+    rc = main(["profile", "--model", str(STORIES), "-tp", "2", "--out", str(out), "--samples", "8", "--repeats", "1",
+               "--max-batch-size", "4", "--max-context", "128", "--device", "cpu", "--dtype", "float32", "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["tensor_parallel"] == 2
+    assert len(data["measurements"]) == data["samples"] == 8
+    assert all(m["seconds"] > 0 for m in data["measurements"])
+    cost = load_cost_model(str(out))
+    assert isinstance(cost, ProfileCostModel) and cost.name.endswith(":tp2")
+    assert cost.min_iteration_seconds() > 0
+    assert "over 2 tensor-parallel ranks" in capsys.readouterr().out
