@@ -129,11 +129,16 @@ class _SetPriority:
 
 
 @dataclass
+class _State:
+    result: asyncio.Future[dict[str, Any]]  # the scheduler's snapshot (sched/snapshot.py)
+
+
+@dataclass
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _SetPriority | _Stop
+_Command = _Add | _Abort | _SetPriority | _State | _Stop
 
 
 @dataclass
@@ -176,6 +181,8 @@ class EngineClient(Protocol):
     def abort(self, stream: RequestStream) -> None: ...
 
     async def set_priority(self, request_id: str, priority: int) -> bool: ...
+
+    async def state(self) -> dict[str, Any]: ...
 
     def tokenize(self, prompt: str | list[int]) -> list[int]: ...
 
@@ -320,6 +327,17 @@ class AsyncEngine(StreamAdmission):
             self._commands.put(_SetPriority(request_id, priority, result))
         return await result
 
+    async def state(self) -> dict[str, Any]:
+        """The scheduler's snapshot (sched/snapshot.py), taken by the loop between two steps."""
+        if self._loop is None:
+            raise EngineDeadError("the engine loop was never started")
+        result: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        with self._lock:
+            if not self.is_alive:
+                raise EngineDeadError("the engine loop is not running")
+            self._commands.put(_State(result))
+        return await result
+
     # ---- loop thread -> event loop ----------------------------------------------------------
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
         assert self._loop is not None
@@ -329,7 +347,7 @@ class AsyncEngine(StreamAdmission):
             pass
 
     @staticmethod
-    def _resolve(future: asyncio.Future[bool], result: bool | BaseException) -> None:
+    def _resolve(future: asyncio.Future[Any], result: Any) -> None:
         if future.done():  # the caller was cancelled
             return
         if isinstance(result, BaseException):
@@ -373,7 +391,7 @@ class AsyncEngine(StreamAdmission):
                 return
             if isinstance(cmd, _Add):
                 self._call_soon(self._settle, cmd.stream, error)
-            elif isinstance(cmd, _SetPriority):
+            elif isinstance(cmd, (_SetPriority, _State)):
                 self._call_soon(self._resolve, cmd.result, error)
 
     def _drain(self, block: bool) -> bool:
@@ -391,6 +409,8 @@ class AsyncEngine(StreamAdmission):
                 self._add(cmd)
             elif isinstance(cmd, _SetPriority):
                 self._set_priority(cmd)
+            elif isinstance(cmd, _State):
+                self._call_soon(self._resolve, cmd.result, self._snapshot())
             else:
                 self._abort(cmd.request_id)
         return True
@@ -419,6 +439,13 @@ class AsyncEngine(StreamAdmission):
             log.exception("request %s: engine failed to change its priority", cmd.request_id)
             result = EngineFaultError(f"engine failed to change the priority: {e}")
         self._call_soon(self._resolve, cmd.result, result)
+
+    def _snapshot(self) -> dict[str, Any] | BaseException:
+        try:
+            return self.engine.state()
+        except Exception as e:  # a view must never take the engine down
+            log.exception("engine failed to describe its state")
+            return EngineFaultError(f"engine failed to describe its state: {e}")
 
     def _abort(self, request_id: str) -> None:
         if self._state.streams.pop(request_id, None) is not None:

@@ -23,7 +23,8 @@ import zmq
 from tokenslice.config import EngineConfig
 from tokenslice.engine.async_engine import MAX_CONSECUTIVE_FAULTS, EngineStats, engine_info, read_stats
 from tokenslice.engine.core_messages import (Abort, AddReply, AddRequest, CoreInput, CoreOutput, Fatal,
-                                             PriorityReply, Ready, Refusal, SetPriority, Shutdown, StartupFailed)
+                                             PriorityReply, Ready, Refusal, SetPriority, Shutdown, StartupFailed,
+                                             StateQuery, StateReply)
 from tokenslice.engine.engine import Engine
 from tokenslice.request import InvalidRequestError, RequestOutput
 
@@ -133,7 +134,7 @@ class EngineCore:
                 if isinstance(msg, Shutdown):
                     return
                 self._apply(msg, reply)
-            if reply.added or reply.priorities:
+            if reply.added or reply.priorities or reply.states:
                 self._send(reply)
             if self.engine.has_unfinished() or self.flush:
                 self._step()
@@ -172,6 +173,12 @@ class EngineCore:
                 reply.priorities.append(PriorityReply(msg.call_id, error=_refusal(e, "change the priority", msg.request_id)))
                 return
             reply.priorities.append(PriorityReply(msg.call_id, live))
+        elif isinstance(msg, StateQuery):
+            try:
+                reply.states.append(StateReply(msg.call_id, self.engine.state()))
+            except Exception as e:  # a view must never take the engine down
+                log.exception("engine failed to describe its state")
+                reply.states.append(StateReply(msg.call_id, error=f"{type(e).__name__}: {e}"))
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:
                 if rid in self.live:

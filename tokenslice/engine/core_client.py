@@ -2,7 +2,7 @@
 
 It starts the core (engine/core.py) in a spawned, non-daemonic child (a core with tensor
 parallelism starts worker processes of its own) and offers the server what AsyncEngine offers:
-add_request -> RequestStream, abort, set_priority, is_alive, num_queued, stats. Here, in the
+add_request -> RequestStream, abort, set_priority, state, is_alive, num_queued, stats. Here, in the
 API-server process, it detokenizes and applies stop strings: on a stop string it ends the
 stream itself and sends the core an abort, which frees the KV before the next step.
 
@@ -36,7 +36,7 @@ from tokenslice.engine.async_engine import (EngineDeadError, EngineFaultError, O
                                             StreamAdmission)
 from tokenslice.engine.core import run_engine_core
 from tokenslice.engine.core_messages import (Abort, AddRequest, CoreMessage, CoreOutput, Fatal, Ready, Refusal,
-                                             SetPriority, Shutdown, StartupFailed)
+                                             SetPriority, Shutdown, StartupFailed, StateQuery)
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
 from tokenslice.request import EngineRequest, InvalidRequestError, RequestMetrics, RequestOutput
 
@@ -118,6 +118,7 @@ class EngineCoreClient(StreamAdmission):
         self._live: dict[str, _Live] = {}
         self._stopped: set[str] = set()  # ended here on a stop string; the core's last output is dropped
         self._priority_calls: dict[int, asyncio.Future[bool]] = {}
+        self._state_calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._call_ids = itertools.count()
         self._reader: asyncio.Task[None] | None = None
         self._dead = False
@@ -213,6 +214,19 @@ class EngineCoreClient(StreamAdmission):
         finally:
             self._priority_calls.pop(call_id, None)
 
+    async def state(self) -> dict[str, Any]:
+        """The scheduler's snapshot (sched/snapshot.py), taken by the core between two steps."""
+        if self._loop is None or not self.is_alive:
+            raise EngineDeadError("the engine core is not running")
+        call_id = next(self._call_ids)
+        result: asyncio.Future[dict[str, Any]] = self._loop.create_future()
+        self._state_calls[call_id] = result
+        self._send(StateQuery(call_id))
+        try:
+            return await result
+        finally:
+            self._state_calls.pop(call_id, None)
+
     def _send(self, msg: Any) -> None:
         self._to_core.send(self._encoder.encode(msg))
 
@@ -243,6 +257,13 @@ class EngineCoreClient(StreamAdmission):
                     future.set_result(p.live)
                 else:
                     future.set_exception(self._error(p.error))
+        for st in msg.states:
+            waiting = self._state_calls.get(st.call_id)
+            if waiting is not None and not waiting.done():
+                if st.error is None:
+                    waiting.set_result(st.state)
+                else:
+                    waiting.set_exception(EngineFaultError(f"engine failed to describe its state: {st.error}"))
         for out in msg.outputs:
             self._deliver(out)
         if msg.failed:
@@ -316,6 +337,6 @@ class EngineCoreClient(StreamAdmission):
         for live in lives.values():
             if not live.stream.finished:
                 self._put(live.stream, error)
-        for future in self._priority_calls.values():
+        for future in [*self._priority_calls.values(), *self._state_calls.values()]:
             if not future.done():
                 future.set_exception(error)

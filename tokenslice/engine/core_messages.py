@@ -4,12 +4,14 @@ Encoded with msgspec's MessagePack, never pickled. The request, output and stats
 travel field by field as they are declared, so a field added to EngineRequest, RequestOutput or
 RequestMetrics crosses the boundary with no change here.
 
-In (API server -> core, one PUSH socket): AddRequest, Abort, SetPriority, Shutdown.
+In (API server -> core, one PUSH socket): AddRequest, Abort, SetPriority, StateQuery, Shutdown.
 Out (core -> API server, one PUSH socket): Ready or StartupFailed first, then CoreOutput (one
 per engine step, carrying every request's new tokens; and the replies to adds and priority
-updates, sent before the step that follows them), and Fatal before the core exits on a fault.
+updates and state queries, sent before the step that follows them), and Fatal before the core exits on a fault.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -32,11 +34,17 @@ class SetPriority(msgspec.Struct, tag=True):
     priority: int
 
 
+class StateQuery(msgspec.Struct, tag=True):
+    """Asks for the scheduler's snapshot (sched/snapshot.py) for the live view."""
+
+    call_id: int  # echoed in the StateReply
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-CoreInput = AddRequest | Abort | SetPriority | Shutdown
+CoreInput = AddRequest | Abort | SetPriority | StateQuery | Shutdown
 
 
 # ---- out -----------------------------------------------------------------------------------------
@@ -59,6 +67,12 @@ class PriorityReply(msgspec.Struct):
     error: Refusal | None = None
 
 
+class StateReply(msgspec.Struct):
+    call_id: int
+    state: dict[str, Any] = {}
+    error: str | None = None  # the engine failed to describe itself (the core keeps running)
+
+
 class Ready(msgspec.Struct, tag=True):
     info: EngineInfo
     stats: EngineStats
@@ -72,6 +86,7 @@ class CoreOutput(msgspec.Struct, tag=True):
     outputs: list[RequestOutput] = []
     added: list[AddReply] = []
     priorities: list[PriorityReply] = []
+    states: list[StateReply] = []
     failed: list[str] = []  # live requests that a failed step took down
     stats: EngineStats | None = None  # at most every STATS_INTERVAL_S, and whenever the engine goes idle
 

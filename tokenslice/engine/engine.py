@@ -27,6 +27,7 @@ from tokenslice.predict.cost import CostModel, load_cost_model
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler
+from tokenslice.sched.snapshot import snapshot
 
 log = logging.getLogger(__name__)
 
@@ -321,6 +322,10 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def state(self) -> dict[str, Any]:
+        """The scheduler as plain data for a live view (sched/snapshot.py): ids and counts, no text."""
+        return snapshot(self.scheduler, self.clock.now())
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

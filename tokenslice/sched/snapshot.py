@@ -78,7 +78,10 @@ def snapshot(scheduler: Scheduler, now: float) -> dict[str, Any]:
                # FastServe §4.2: free device blocks kept for a burst of new jobs.
                "reserved_blocks": scheduler.preemption.reserved_blocks(),
                "transfers_in_flight": kv.num_in_flight,
-               "device_blocks_releasing": kv.device_blocks_releasing()},
+               "device_blocks_releasing": kv.device_blocks_releasing(),
+               # Block groups by owner: each live request's blocks on device and on host.
+               "owners": {rid: {"device": kv.num_device_blocks(rid), "host": len(kv.host_blocks(rid))}
+                          for rid in scheduler.requests}},
     }
 
 

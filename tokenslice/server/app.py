@@ -1,8 +1,8 @@
 """FastAPI app: OpenAI-compatible routes over an engine client (DESIGN.md, Data flow).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/requests/{id}/priority,
-GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version,
-GET /metrics. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+GET /v1/models[/{id}], GET /v1/state[/stream] (the live view's data, server/state.py),
+POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version, GET /metrics. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` when an API key is set;
 /health, /ping, /version and /metrics stay open so that probes and scrapers need no secret.
 
@@ -46,6 +46,7 @@ from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCom
                                         SamplingFields, TokenizeRequest, TokenizeResponse, UsageInfo,
                                         VersionResponse)
 from tokenslice.server.settings import ServerSettings
+from tokenslice.server.state import StateHub
 
 log = logging.getLogger("tokenslice.server")
 
@@ -309,6 +310,7 @@ class Server:
         self.metrics = ServerMetrics(settings.served_model_name, lambda: self.async_engine.stats,
                                      lambda: self.async_engine.num_queued)
         self.async_engine.observer = self.metrics.observe
+        self.state = StateHub(engine, self.metrics)
 
     # ---- request -> engine inputs ---------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -874,6 +876,19 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         if model_id != settings.served_model_name:
             raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
         return server.model_card()
+
+    @v1.get("/state", responses={200: {"description": "The scheduler's state for the live view (/dashboard)"}})
+    async def state() -> JSONResponse:
+        try:
+            return JSONResponse(await server.state.get())
+        except (EngineDeadError, EngineFaultError) as e:
+            raise APIError(503, str(e), "server_error") from None
+
+    @v1.get("/state/stream", response_class=StreamingResponse,
+            responses={200: {"description": "The state as server-sent events, a few a second"}})
+    async def state_stream() -> StreamingResponse:
+        return StreamingResponse(server.state.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     app.include_router(v1)
 

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from tokenslice.engine.async_engine import EngineStats
 from tokenslice.request import RequestOutput
+from tokenslice.server.latency_window import LatencyWindow
 
 LABELS = ["model_name"]
 USER_LABELS = ["model_name", "user"]
@@ -122,6 +123,9 @@ class ServerMetrics:
         self._ttft, self._tbt, self._e2e = self.ttft.labels(m), self.tbt.labels(m), self.e2e.labels(m)
         self._queue_time = self.queue_time.labels(m)
         self._user_series: dict[str, tuple[Any, Any, Any]] = {}
+        # The last minute's TTFT and TBT, for the live view (/v1/state).
+        self.recent_ttft = LatencyWindow()
+        self.recent_tbt = LatencyWindow()
 
     def _user_label(self, user: str | None) -> str:
         if user is None:
@@ -157,10 +161,13 @@ class ServerMetrics:
                 user_prompt.inc(out.num_prompt_tokens)
                 if m.ttft is not None:
                     self._ttft.observe(m.ttft)
+                    self.recent_ttft.add(m.ttft)
                 if m.first_scheduled_time is not None:
                     self._queue_time.observe(m.first_scheduled_time - m.arrival_time)
             elif m is not None and len(m.token_times) >= 2:
-                self._tbt.observe(m.token_times[-1] - m.token_times[-2])
+                tbt = m.token_times[-1] - m.token_times[-2]
+                self._tbt.observe(tbt)
+                self.recent_tbt.add(tbt)
         if out.finished:
             self.request_success.labels(self.model_name, out.finish_reason or "unknown").inc()
             if m is not None and m.e2e is not None:
