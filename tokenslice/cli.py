@@ -236,6 +236,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_view(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenslice.server.replay import create_replay_app
+
+    app = create_replay_app(a.file)
+    print(f"replaying {a.file} at http://{a.host}:{a.port}/dashboard", file=sys.stderr)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level.lower(), access_log=False)
+    return 0
+
+
 def _number_list(text: str, kind: type = float) -> list[Any]:
     """"1,2.5,4" -> [1.0, 2.5, 4.0] (flags that take several values)."""
     try:
@@ -675,6 +686,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the engine core in its own process, the default (HTTP work then never holds its "
                         "interpreter lock); --no-engine-process: on a thread of the server process")
     s.set_defaults(func=cmd_serve)
+    v = sub.add_parser("view", help="serve the live view's page over a `simulate --record-state` file, with a time slider")
+    v.add_argument("file", help="JSON lines written by `tokenslice simulate --record-state`")
+    v.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    v.add_argument("--port", type=int, default=8000)
+    v.set_defaults(func=cmd_view)
     add_simulation_subcommands(sub)
     add_bench_subcommand(sub)
     add_predictor_subcommands(sub)

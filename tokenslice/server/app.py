@@ -2,9 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/requests/{id}/priority,
 GET /v1/models[/{id}], GET /v1/state[/stream] (the live view's data, server/state.py),
-POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version, GET /metrics. Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version, GET /metrics, and the
+live view's page GET /dashboard (server/dashboard.py). Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` when an API key is set;
-/health, /ping, /version and /metrics stay open so that probes and scrapers need no secret.
+/health, /ping, /version, /metrics and /dashboard (a page without data) stay open so that probes and scrapers need no secret.
 
 One log line per generation request (id, tokens, finish reason, latency); prompt and output
 text are never logged.
@@ -37,6 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenslice.engine.async_engine import (EngineClient, EngineDeadError, EngineFaultError, EngineInfo,
                                             EngineOverloadedError, RequestStream)
 from tokenslice.request import MAX_LOGIT_BIAS, EngineRequest, InvalidRequestError, RequestOutput, SamplingParams
+from tokenslice.server.dashboard import add_dashboard
 from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                         ChatCompletionResponse, ChatMessage, ChatMessageOut, ChatStreamChoice,
@@ -891,6 +893,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
                                  headers={"Cache-Control": "no-cache"})
 
     app.include_router(v1)
+    add_dashboard(app, "live")
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_error_docs())
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:

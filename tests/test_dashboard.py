@@ -1,0 +1,97 @@
+"""The live view's page: /dashboard and its static assets from `tokenslice serve` (open under
+--api-key: the page holds no data and asks for the key), and `tokenslice view` serving a
+`simulate --record-state` recording to the same page in replay mode."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from serverkit import start_server
+from tokenslice.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 60.0  # failure deadlines, not performance checks
+
+
+def _until(cond: object, timeout: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_page_is_open_under_the_key_and_holds_no_data() -> None:
+    with start_server("--api-key", "sekrit") as srv:
+        page = httpx.get(srv.url("/dashboard"), timeout=DEADLINE_S)
+        assert page.status_code == 200 and 'id="key-prompt"' in page.text and "sekrit" not in page.text
+        assert httpx.get(srv.url("/dashboard/static/dashboard.js"), timeout=DEADLINE_S).status_code == 200
+        assert httpx.get(srv.url("/v1/state"), timeout=DEADLINE_S).status_code == 401
+
+
+def test_dashboard_and_its_assets_are_served() -> None:
+    with start_server("--no-engine-process") as srv:
+        page = httpx.get(srv.url("/dashboard"), timeout=DEADLINE_S)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert 'data-mode="live"' in page.text
+        for element in ("count-running", "count-waiting", "count-preempted", "count-swapped", "lanes",
+                        "device-map", "host-map", "swap-sparkline", "latency"):
+            assert f'id="{element}"' in page.text
+        for asset in ("dashboard.js", "dashboard.css"):
+            assert f"/dashboard/static/{asset}" in page.text
+            r = httpx.get(srv.url(f"/dashboard/static/{asset}"), timeout=DEADLINE_S)
+            assert r.status_code == 200 and len(r.content) > 100
+        script = httpx.get(srv.url("/dashboard/static/dashboard.js"), timeout=DEADLINE_S).text
+        assert "https://" not in script and "//cdn" not in script  # nothing fetched from elsewhere
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def recording(tmp_path: Path) -> Path:
+    path = tmp_path / "state.jsonl"
+    assert main(["simulate", "--profile", "opt-13b@a100-40gb", "--workload", "synthetic-fixed",
+                 "--policy", "skip-join-mlfq", "--rates", "8",
+                 "--num-requests", "30", "--kv-cache-blocks", "60", "--record-state", str(path), "--quiet"]) == 0
+    return path
+
+
+def test_view_serves_a_recording(recording: Path) -> None:
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenslice.cli", "view", str(recording), "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return httpx.get(base + "/dashboard", timeout=5).status_code == 200
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+                return False
+
+        _until(up)
+        page = httpx.get(base + "/dashboard", timeout=DEADLINE_S)
+        assert 'data-mode="replay"' in page.text and 'id="replay-slider"' in page.text
+        lines = httpx.get(base + "/v1/replay", timeout=DEADLINE_S).text.splitlines()
+        assert lines == recording.read_text().splitlines() and len(lines) > 2
+        assert json.loads(lines[0])["run"]["policy"] == "skip-join-mlfq"
+        assert httpx.get(base + "/dashboard/static/dashboard.js", timeout=DEADLINE_S).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

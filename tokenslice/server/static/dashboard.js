@@ -1,0 +1,286 @@
+// The live view: draws one scheduler snapshot (GET /v1/state's JSON) at a time.
+// Live mode reads /v1/state/stream (server-sent events, read with fetch so that the API key can
+// travel as a Bearer header); replay mode (tokenslice view) reads a recording from /v1/replay.
+"use strict";
+
+const KEY_STORE = "tokenslice-api-key";
+const CROWDED = 200; // more chips than this in a lane: show counts by state instead
+const STATES = ["running", "waiting", "preempted", "swapping", "on host", "to recompute"];
+const SVG = "http" + "://www.w3.org/2000/svg"; // the SVG namespace (an identifier, never fetched)
+const $ = (id) => document.getElementById(id);
+const cls = (state) => "state-" + state.replace(/ /g, "-");
+
+function setStatus(text) { $("status").textContent = text; }
+
+// ---- lanes: the policy's queues in its own terms (Policy.describe_queues) ----------------------
+function ids(list) { return list.map((x) => (typeof x === "string" ? x : x.id)); }
+
+function lanesOf(queues) {
+  switch (queues.kind) {
+    case "mlfq": return queues.queues.map((q) => ({ name: `Q${q.level} · quantum ${q.quantum_s.toPrecision(3)} s`, ids: ids(q.requests) }));
+    case "priority": return queues.classes.map((c) => ({ name: `priority ${c.priority}`, ids: ids(c.requests) }));
+    case "vtc": return queues.users.map((u) => ({ name: `user ${u.user} · counter ${Math.round(u.counter)}`, ids: ids(u.requests) }));
+    case "request-level": return [{ name: "batch", ids: ids(queues.batch) }, { name: "waiting for the batch", ids: ids(queues.order) }];
+    case "srpt": return [{ name: "by predicted remaining time", ids: ids(queues.order) }];
+    case "sorted": return [{ name: `by ${queues.key.replace(/_/g, " ")}`, ids: ids(queues.order) }];
+    case "fifo": return [{ name: "arrival order", ids: ids(queues.order) }];
+    default: return [];
+  }
+}
+
+function chip(r) {
+  const el = document.createElement("span");
+  el.className = "chip " + cls(r.state);
+  el.title = `${r.id}${r.user ? " · " + r.user : ""} · ${r.state} · ${r.output_tokens} tokens out` +
+    (r.predicted_output_tokens != null ? ` (predicted ${r.predicted_output_tokens})` : "") +
+    ` · ${r.preemptions} preemptions · ${r.swaps} swaps`;
+  el.dataset.id = r.id;
+  return el;
+}
+
+function crowd(reqs) {
+  const el = document.createElement("span");
+  el.className = "crowd";
+  const n = {};
+  for (const r of reqs) n[r.state] = (n[r.state] || 0) + 1;
+  for (const s of STATES) {
+    if (!n[s]) continue;
+    const c = document.createElement("span");
+    c.className = "chip " + cls(s);
+    c.textContent = `${n[s]} ${s}`;
+    el.append(c, " ");
+  }
+  return el;
+}
+
+function drawLanes(snap) {
+  const byId = new Map(snap.requests.map((r) => [r.id, r]));
+  const lanes = lanesOf(snap.queues);
+  const placed = new Set(lanes.flatMap((l) => l.ids));
+  const rest = snap.requests.filter((r) => !placed.has(r.id)).map((r) => r.id);
+  if (rest.length) lanes.push({ name: lanes.length ? "elsewhere" : "live requests", ids: rest });
+  const root = $("lanes");
+  root.replaceChildren();
+  for (const lane of lanes) {
+    const row = document.createElement("div");
+    row.className = "lane";
+    const name = document.createElement("div");
+    name.className = "lane-name";
+    name.textContent = `${lane.name} (${lane.ids.length})`;
+    const chips = document.createElement("div");
+    chips.className = "lane-chips";
+    const reqs = lane.ids.map((id) => byId.get(id)).filter(Boolean);
+    if (reqs.length > CROWDED) chips.append(crowd(reqs));
+    else chips.append(...reqs.map(chip));
+    row.append(name, chips);
+    root.append(row);
+  }
+}
+
+// ---- memory: block maps, one cell per block (or per group of blocks on a large pool) ----------
+function drawMap(svg, total, runs) {
+  const width = svg.clientWidth || 400, height = 120;
+  const perCell = Math.max(1, Math.ceil(total / 2048));
+  const cells = Math.ceil(total / perCell);
+  const side = Math.max(2, Math.floor(Math.sqrt((width * height) / Math.max(1, cells))));
+  const cols = Math.max(1, Math.floor(width / side));
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.replaceChildren();
+  let cell = 0;
+  for (const run of runs) {
+    const n = Math.round(run.blocks / perCell);
+    for (let i = 0; i < n && cell < cells; i++, cell++) {
+      const rect = document.createElementNS(SVG, "rect");
+      rect.setAttribute("x", (cell % cols) * side);
+      rect.setAttribute("y", Math.floor(cell / cols) * side);
+      rect.setAttribute("width", side - 1);
+      rect.setAttribute("height", side - 1);
+      rect.setAttribute("class", run.cls);
+      if (run.title) {
+        const t = document.createElementNS(SVG, "title");
+        t.textContent = run.title;
+        rect.append(t);
+      }
+      svg.append(rect);
+    }
+  }
+}
+
+function drawMemory(snap) {
+  const kv = snap.kv, owners = kv.owners || {};
+  const byId = new Map(snap.requests.map((r) => [r.id, r]));
+  const runs = (tier) => Object.entries(owners).filter(([, o]) => o[tier] > 0)
+    .map(([id, o]) => ({ blocks: o[tier], cls: cls(byId.get(id) ? byId.get(id).state : "waiting"), title: `${id}: ${o[tier]} blocks` }));
+  const dev = runs("device");
+  const owned = dev.reduce((a, r) => a + r.blocks, 0);
+  // Used blocks no live request owns: the prefix cache's, or ones being released.
+  if (kv.device.used > owned) dev.push({ blocks: kv.device.used - owned, cls: "cached", title: "cached or releasing" });
+  if (kv.reserved_blocks) dev.push({ blocks: kv.reserved_blocks, cls: "reserved", title: "reserved for a burst (FastServe §4.2)" });
+  drawMap($("device-map"), kv.device.blocks, dev);
+  drawMap($("host-map"), kv.host.blocks, runs("host"));
+  $("device-usage").textContent = `${kv.device.used} / ${kv.device.blocks} used · ${kv.transfers_in_flight} transfers in flight`;
+  $("host-usage").textContent = `${kv.host.used} / ${kv.host.blocks} used`;
+}
+
+// ---- traffic and latency ---------------------------------------------------------------------
+function sparkline(svg, series) {
+  svg.replaceChildren();
+  const max = Math.max(1e-9, ...series.flatMap((p) => p.slice(1)));
+  const t0 = series.length ? series[0][0] : 0, span = Math.max(1e-9, -t0);
+  for (const [k, colour] of [[1, "var(--on-host)"], [2, "var(--running)"]]) {
+    const line = document.createElementNS(SVG, "polyline");
+    line.setAttribute("points", series.map((p) => `${(300 * (p[0] - t0)) / span},${60 - (58 * p[k]) / max}`).join(" "));
+    line.setAttribute("fill", "none");
+    line.setAttribute("stroke", colour);
+    line.setAttribute("vector-effect", "non-scaling-stroke");
+    svg.append(line);
+  }
+}
+
+function bytes(n) {
+  const units = ["B", "KB", "MB", "GB", "TB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+function ms(s) { return s == null ? "–" : `${(s * 1000).toFixed(1)} ms`; }
+
+function drawLatency(latency) {
+  for (const name of ["ttft", "tbt"]) {
+    const row = $("latency-" + name);
+    const l = latency ? latency[name] : null;
+    row.replaceChildren(row.firstElementChild);
+    for (const v of l ? [ms(l.p50), ms(l.p90), ms(l.p99), l.count] : ["–", "–", "–", "–"]) {
+      const td = document.createElement("td");
+      td.textContent = v;
+      row.append(td);
+    }
+  }
+}
+
+// ---- one snapshot ----------------------------------------------------------------------------
+function draw(snap, history) {
+  const c = snap.counts || {};
+  for (const r of snap.requests) if (!snap.counts) c[r.state] = (c[r.state] || 0) + 1;
+  // Live: the engine's own gauges, as /metrics reports them; a recording: derived from the states.
+  const e = snap.engine || { num_running: c.running || 0, num_waiting: (c.waiting || 0) + (c["to recompute"] || 0),
+    num_preempted: c.preempted || 0, num_swapped: c["on host"] || 0 };
+  $("count-running").textContent = e.num_running;
+  $("count-waiting").textContent = e.num_waiting;
+  $("count-preempted").textContent = e.num_preempted;
+  $("count-swapped").textContent = e.num_swapped;
+  $("count-swapping").textContent = c.swapping || 0;
+  $("count-to-recompute").textContent = c["to recompute"] || 0;
+  $("scheduler").textContent = `${snap.policy} · ${snap.preemption} · ${snap.requests.length} live` +
+    (snap.run ? ` · run ${JSON.stringify(snap.run)}` : "");
+  drawLanes(snap);
+  drawMemory(snap);
+  if (snap.swap) {
+    $("sparkline-title").textContent = "swap traffic (bytes/s: out blue, in green)";
+    sparkline($("swap-sparkline"), snap.swap.series);
+    $("swap-summary").textContent = `last ${snap.swap.window_s.toFixed(0)} s: out ${bytes(snap.swap.out_bytes)}, ` +
+      `in ${bytes(snap.swap.in_bytes)}, ${snap.swap.ops} copy ops`;
+  } else if (history) {
+    $("sparkline-title").textContent = "host KV blocks used (blue) and transfers in flight (green)";
+    sparkline($("swap-sparkline"), history.map((s) => [s.t - snap.t, s.kv.host.used, s.kv.transfers_in_flight]));
+    $("swap-summary").textContent = `t = ${snap.t.toFixed(2)} s (simulated)`;
+  }
+  drawLatency(snap.latency);
+  $("view").hidden = false;
+}
+
+// ---- live mode ----------------------------------------------------------------------------------
+function askForKey() {
+  $("view").hidden = true;
+  $("key-prompt").hidden = false;
+  setStatus("API key needed");
+}
+
+async function live() {
+  const key = sessionStorage.getItem(KEY_STORE);
+  const headers = key ? { Authorization: "Bearer " + key } : {};
+  let resp;
+  try {
+    resp = await fetch("/v1/state/stream", { headers });
+  } catch (err) {
+    setStatus("server unreachable; retrying");
+    setTimeout(live, 2000);
+    return;
+  }
+  if (resp.status === 401) { askForKey(); return; }
+  if (!resp.ok) { setStatus(`error ${resp.status}; retrying`); setTimeout(live, 2000); return; }
+  $("key-prompt").hidden = true;
+  setStatus("live");
+  const reader = resp.body.getReader(), decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const event = buffer.slice(0, end);
+      buffer = buffer.slice(end + 2);
+      const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
+      if (!data) continue;
+      if (event.startsWith("event: error")) { setStatus("engine error: " + JSON.parse(data).message); continue; }
+      const snap = JSON.parse(data);
+      draw(snap);
+      setStatus(`live · ${new Date(snap.time * 1000).toLocaleTimeString()} · ${snap.viewers} viewer(s)`);
+    }
+  }
+  setStatus("stream ended; reconnecting");
+  setTimeout(live, 2000);
+}
+
+$("key-prompt").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  sessionStorage.setItem(KEY_STORE, $("key-input").value);
+  $("key-input").value = "";
+  live();
+});
+
+// ---- replay mode ------------------------------------------------------------------------------
+async function replay() {
+  $("replay").hidden = false;
+  setStatus("loading the recording…");
+  const text = await (await fetch("/v1/replay")).text();
+  const runs = new Map();
+  for (const line of text.split("\n")) {
+    if (!line.trim()) continue;
+    const snap = JSON.parse(line);
+    const label = snap.run ? Object.entries(snap.run).map(([k, v]) => `${k}=${v}`).join(" ") : "run";
+    if (!runs.has(label)) runs.set(label, []);
+    runs.get(label).push(snap);
+  }
+  const select = $("replay-run"), slider = $("replay-slider");
+  for (const label of runs.keys()) select.append(new Option(label, label));
+  let timer = null;
+  const show = () => {
+    const snaps = runs.get(select.value) || [];
+    const i = Math.min(Number(slider.value), snaps.length - 1);
+    if (i < 0) return;
+    draw(snaps[i], snaps.slice(Math.max(0, i - 120), i + 1));
+    $("replay-time").textContent = `${i + 1} / ${snaps.length} · t = ${snaps[i].t.toFixed(2)} s`;
+  };
+  select.addEventListener("change", () => {
+    slider.max = String((runs.get(select.value) || []).length - 1);
+    slider.value = "0";
+    show();
+  });
+  slider.addEventListener("input", show);
+  $("replay-play").addEventListener("click", () => {
+    if (timer) { clearInterval(timer); timer = null; $("replay-play").textContent = "play"; return; }
+    $("replay-play").textContent = "pause";
+    timer = setInterval(() => {
+      if (Number(slider.value) >= Number(slider.max)) { clearInterval(timer); timer = null; $("replay-play").textContent = "play"; return; }
+      slider.value = String(Number(slider.value) + 1);
+      show();
+    }, 250);
+  });
+  select.dispatchEvent(new Event("change"));
+  setStatus(`replay · ${runs.size} run(s)`);
+}
+
+if (document.body.dataset.mode === "replay") replay(); else live();
