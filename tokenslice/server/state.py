@@ -37,6 +37,7 @@ class StateHub:
         self._latest: dict[str, Any] | None = None
         self._taken_at = -math.inf
         self._pending: asyncio.Future[dict[str, Any]] | None = None
+        self._event: tuple[int, str] = (0, "")  # (seq, SSE event): encoded once for every viewer
         # (monotonic time, swap out bytes, swap in bytes, swap ops): one sample per snapshot.
         self._swap: deque[tuple[float, int, int, int]] = deque()
 
@@ -85,6 +86,11 @@ class StateHub:
         return {"window_s": round(last[0] - first[0], 3), "out_bytes": last[1] - first[1],
                 "in_bytes": last[2] - first[2], "ops": last[3] - first[3], "series": series}
 
+    def _encoded(self, state: dict[str, Any]) -> str:
+        if self._event[0] != state["seq"]:
+            self._event = (state["seq"], f"data: {json.dumps(state)}\n\n")
+        return self._event[1]
+
     async def stream(self) -> AsyncIterator[str]:
         """Server-sent events: one `data:` line per new snapshot, every `min_interval_s` at most,
         until the client leaves (the response is cancelled)."""
@@ -99,7 +105,7 @@ class StateHub:
                     return
                 if state["seq"] != last_sent:
                     last_sent, last_beat = state["seq"], time.monotonic()
-                    yield f"data: {json.dumps(state)}\n\n"
+                    yield self._encoded(state)
                 elif time.monotonic() - last_beat > SSE_KEEPALIVE_S:
                     last_beat = time.monotonic()
                     yield ": keepalive\n\n"
