@@ -71,7 +71,9 @@ def snapshot(scheduler: Scheduler, now: float) -> dict[str, Any]:
         "policy": scheduler.policy.name,
         "preemption": scheduler.preemption.mode,
         "queues": scheduler.policy.describe_queues(),
-        "requests": [asdict(request_view(scheduler, r)) for r in scheduler.requests.values()],
+        # vars(), not asdict(): the fields are scalars, and asdict's deep copy was most of a
+        # 1,000-request snapshot's time (a live server takes one every 250 ms).
+        "requests": [vars(request_view(scheduler, r)) for r in scheduler.requests.values()],
         "kv": {"block_size": kv.block_size,
                "device": asdict(PoolView(device.num_blocks, device.num_blocks - device.num_free, device.num_free)),
                "host": asdict(PoolView(host.num_blocks, host.num_blocks - host.num_free, host.num_free)),
