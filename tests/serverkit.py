@@ -116,3 +116,11 @@ def wait_idle(srv: RunningServer, timeout: float = 60.0) -> dict[str, float]:
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
+
+
+def until(cond: Any, timeout: float = 60.0) -> None:
+    """Wait until `cond()` holds (a failure deadline, not a performance check)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)

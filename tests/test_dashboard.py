@@ -8,24 +8,16 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from serverkit import start_server
+from serverkit import start_server, until
 from tokenslice.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 60.0  # failure deadlines, not performance checks
-
-
-def _until(cond: object, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_page_is_open_under_the_key_and_holds_no_data() -> None:
@@ -81,7 +73,7 @@ def test_view_serves_a_recording(recording: Path) -> None:
                 assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
                 return False
 
-        _until(up)
+        until(up)
         page = httpx.get(base + "/dashboard", timeout=DEADLINE_S)
         assert 'data-mode="replay"' in page.text and 'id="replay-slider"' in page.text
         lines = httpx.get(base + "/v1/replay", timeout=DEADLINE_S).text.splitlines()

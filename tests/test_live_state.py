@@ -10,19 +10,12 @@ import httpx
 import openai
 import pytest
 
-from serverkit import RunningServer, start_server, wait_idle
+from serverkit import RunningServer, start_server, until, wait_idle
 
 MODEL = "builtin:tiny"
 DEADLINE_S = 60.0  # failure deadlines, not performance checks
 CANARY = "zebra-canary-7f3a"
 STATES = {"waiting", "running", "preempted", "swapping", "on host", "to recompute"}
-
-
-def _until(cond: object, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def _state(srv: RunningServer, key: str | None = None) -> dict:
@@ -74,7 +67,7 @@ def test_state_shows_a_preemption_as_metrics_do(engine_flag: str) -> None:
                 states = {r["id"]: r["state"] for r in _state(srv)["requests"]}
                 return states == {a_id: "preempted", b_id: "running"}
 
-            _until(preempted)
+            until(preempted)
             s = _state(srv)
             m = srv.metrics()
             assert s["counts"]["preempted"] == 1 == m["tokenslice:num_requests_preempted"]
@@ -93,12 +86,12 @@ def test_state_shows_a_preemption_as_metrics_do(engine_flag: str) -> None:
             assert seqs == sorted(set(seqs))  # each a new snapshot
             assert all(e["counts"]["preempted"] == 1 for e in events)
             assert events[-1]["viewers"] == 1
-            _until(lambda: _state(srv)["viewers"] == 0)  # the stream ended when the client left
+            until(lambda: _state(srv)["viewers"] == 0)  # the stream ended when the client left
         finally:
             b.close()
             a.close()
         wait_idle(srv)
-        _until(lambda: _state(srv)["requests"] == [])
+        until(lambda: _state(srv)["requests"] == [])
 
 
 def test_viewers_share_one_producer() -> None:

@@ -70,6 +70,16 @@ class _Live:
         return m
 
 
+def _answer(future: asyncio.Future[Any] | None, result: Any, error: Exception | None) -> None:
+    """The core's reply to a call (a priority update, a state query), unless its caller left."""
+    if future is None or future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
 def _stop_core(process: Any) -> None:
     """Last resort (interpreter exit, or a core that ignores Shutdown): end it by its PID."""
     if process.is_alive():
@@ -251,19 +261,10 @@ class EngineCoreClient(StreamAdmission):
                     del self._live[reply.request_id]
                 self._settle(live.stream, None if reply.error is None else self._error(reply.error))
         for p in msg.priorities:
-            future = self._priority_calls.get(p.call_id)
-            if future is not None and not future.done():
-                if p.error is None:
-                    future.set_result(p.live)
-                else:
-                    future.set_exception(self._error(p.error))
+            _answer(self._priority_calls.get(p.call_id), p.live, None if p.error is None else self._error(p.error))
         for st in msg.states:
-            waiting = self._state_calls.get(st.call_id)
-            if waiting is not None and not waiting.done():
-                if st.error is None:
-                    waiting.set_result(st.state)
-                else:
-                    waiting.set_exception(EngineFaultError(f"engine failed to describe its state: {st.error}"))
+            error = None if st.error is None else EngineFaultError(f"engine failed to describe its state: {st.error}")
+            _answer(self._state_calls.get(st.call_id), st.state, error)
         for out in msg.outputs:
             self._deliver(out)
         if msg.failed:
