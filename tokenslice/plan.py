@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tokenslice.request import SamplingParams
+from tokenslice.request import SamplingParams, TokenLogprobs
 
 
 Direction = Literal["out", "in"]  # of a KV swap. out: device -> host; in: host -> device
@@ -26,6 +26,10 @@ class SeqSlice:
     params: SamplingParams
     num_output_tokens: int  # before this step; for min_tokens
     eos_token_id: int | None = None
+    # Prompt logprobs to report: the log-probability of each target (the next prompt token) at
+    # slice rows prompt_logprob_offset.. (positions already reported, e.g. before a recompute, are left out).
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    prompt_logprob_offset: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -97,3 +101,7 @@ class StepResult:
     # Copy seconds of the reported transfers that were measured (request id -> seconds, queueing
     # excluded): swap statistics for the adaptive swap-in choice (FastSwitch §3.2).
     transfer_durations: dict[str, float] = field(default_factory=dict)
+    # Only for slices whose params ask (SamplingParams.logprobs / prompt_logprobs): the sampled
+    # token's, and the prompt positions of SeqSlice.prompt_logprob_targets.
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

@@ -155,7 +155,7 @@ class Scheduler:
 
     def _attach_prefix(self, req: Request) -> PrefixHit | None:
         """A new request starts from its longest cached prefix: only the rest is computed (vLLM)."""
-        if self.kv.prefix is None or not req.cache_prefix:
+        if self.kv.prefix is None or not req.cache_prefix or req.needs_prompt_logprobs:  # those need the logits
             return None
         return self.kv.attach_prefix(req.request_id, req.num_tokens, req.token_ids)
 
@@ -172,8 +172,9 @@ class Scheduler:
 
     def _add_slice(self, req: Request, computed: int, chunk: int, sample: bool, plan: StepPlan, now: float) -> None:
         rid = req.request_id
-        s = SeqSlice(rid, req.token_ids(computed, computed + chunk), computed, self.kv.block_table(rid), sample,
-                     req.params, len(req.output_token_ids), req.eos_token_id)
+        s = SeqSlice(rid, req.token_ids(computed, computed + chunk), computed, self.kv.block_table(rid),
+                     sample and req.params.max_tokens > 0, req.params, len(req.output_token_ids), req.eos_token_id)
+        s.prompt_logprob_offset, s.prompt_logprob_targets = req.take_prompt_logprob_targets(computed, chunk)
         (plan.decode if chunk == 1 else plan.prefill).append(s)
         if req.state is not RequestState.RUNNING:
             if req.metrics.first_scheduled_time is None:
@@ -218,6 +219,8 @@ class Scheduler:
             m.swap_stall_s += sync_s
             ran.append(req)
             if not s.sample:
+                if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:  # prompt only
+                    self._finish(req, "length", now, RequestState.FINISHED)
                 continue
             tok = result.sampled[s.request_id]
             req.output_token_ids.append(tok)
