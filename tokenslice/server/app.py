@@ -12,6 +12,7 @@ text are never logged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import importlib.metadata
@@ -36,10 +37,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenslice.engine.async_engine import (AsyncEngine, EngineDeadError, EngineFaultError,
                                             EngineOverloadedError, RequestStream)
 from tokenslice.engine.engine import Engine
-from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput, SamplingParams
+from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
+from tokenslice.server.choices import Choice, best_of, merged, sibling_seed
+from tokenslice.server.logprobs import (TokenTexts, chat_logprobs, completion_logprobs, echo_completion_logprobs,
+                                        prompt_logprob_entries)
 from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                        ChatCompletionResponse, ChatMessage, ChatMessageOut, ChatStreamChoice,
+                                        ChatCompletionResponse, ChatLogprobs, CompletionLogprobs, ChatMessage, ChatMessageOut, ChatStreamChoice,
                                         CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
                                         DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
                                         ErrorResponse, ModelCard, ModelList, PriorityResponse, PriorityUpdate,
@@ -233,11 +237,11 @@ class _Track:
     finish_reason: str | None = None
     outcome: str = "ok"
 
-    def update(self, out: RequestOutput) -> None:
-        self.prompt_tokens = out.num_prompt_tokens
-        self.completion_tokens = out.num_output_tokens
-        if out.finished:
-            self.finish_reason = out.finish_reason
+    def account(self, choices: list[Choice]) -> None:
+        """Usage of all choices: each prompt counted once (set at submission), every generated token."""
+        self.completion_tokens = sum(c.num_output_tokens for c in choices)
+        reasons = sorted({c.finish_reason for c in choices if c.finish_reason})
+        self.finish_reason = ",".join(reasons) or None
 
     def log(self) -> None:
         log.info("%s %s status=%d prompt_tokens=%d completion_tokens=%d finish=%s latency=%.3fs%s",
@@ -307,22 +311,22 @@ class Server:
 
     @staticmethod
     def refuse_unsupported(body: SamplingFields) -> None:
-        if body.n != 1:
-            raise APIError(400, "n > 1 is not supported yet; send one request per choice", param="n")
         if body.presence_penalty or body.frequency_penalty:
             param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
             raise APIError(400, f"{param} is not supported yet; leave it at 0", param=param)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         temperature = 1.0 if body.temperature is None else body.temperature
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if temperature < GREEDY_TEMPERATURE else min(temperature, MAX_TEMPERATURE),
             top_p=1.0 if body.top_p is None else max(body.top_p, MIN_TOP_P), top_k=0 if body.top_k is None else body.top_k,
-            seed=body.seed, stop=stop, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens)
+            seed=body.seed, stop=stop, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             params.validate()
         except InvalidRequestError as e:
@@ -397,12 +401,11 @@ class Server:
             parts.append(part.text)
         return "".join(parts)
 
-    async def submit(self, track: _Track, prompt: list[int], params: SamplingParams, body: SamplingFields,
-                     arrival: float) -> RequestStream:
-        track.prompt_tokens = len(prompt)  # known now; streamed usage may be sent before the first output
+    async def submit(self, track: _Track, request_id: str, prompt: list[int], params: SamplingParams,
+                     body: SamplingFields) -> RequestStream:
         try:
             return await self.async_engine.add_request(EngineRequest(
-                track.request_id, prompt, params, arrival_time=arrival, user=body.user, priority=body.priority,
+                request_id, prompt, params, arrival_time=track.start, user=body.user, priority=body.priority,
                 expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None))
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -416,20 +419,42 @@ class Server:
         except EngineFaultError as e:
             raise self.fault(track.request_id, e) from None
 
+    async def submit_choices(self, track: _Track, prompts: list[list[int]], params: SamplingParams, copies: int,
+                             body: SamplingFields) -> list[Choice]:
+        """`copies` engine requests per prompt, each its own scheduled request: the request id for
+        a single one, `{id}-{k}` (k = prompt index x copies + i) for several. All or none."""
+        track.prompt_tokens = sum(len(p) for p in prompts)  # streamed usage may be sent before any output
+        single = len(prompts) * copies == 1
+        choices: list[Choice] = []
+        try:
+            for pi, ids in enumerate(prompts):
+                for i in range(copies):
+                    k = pi * copies + i
+                    rid = track.request_id if single else f"{track.request_id}-{k}"
+                    sp = dataclasses.replace(params, seed=sibling_seed(params.seed, i))
+                    choices.append(Choice(pi, ids, await self.submit(track, rid, ids, sp, body)))
+        except BaseException:
+            self.abort_all(choices)
+            raise
+        return choices
+
+    def abort_all(self, choices: list[Choice]) -> None:
+        for c in choices:
+            if not c.stream.finished:
+                self.async_engine.abort(c.stream)
+
     @staticmethod
     def fault(request_id: str, e: BaseException) -> APIError:
         log.error("%s failed in the engine: %s", request_id, e)
         return APIError(500, f"internal engine error (request id {request_id})", type="server_error",
                         code="engine_error")
 
-    async def collect(self, stream: RequestStream, request: Request, track: _Track) -> str:
-        """Run a non-streamed request to its end; abort it if the client disconnects first."""
-        async def consume() -> str:
-            parts = []
-            async for out in stream:
-                track.update(out)
-                parts.append(out.text_delta)
-            return "".join(parts)
+    async def collect(self, choices: list[Choice], request: Request, track: _Track) -> None:
+        """Run non-streamed choices to their end; abort them all if the client disconnects first."""
+        async def consume() -> None:
+            async for k, out in merged(choices):
+                choices[k].add(out)
+                track.account(choices)
 
         consumer = asyncio.ensure_future(consume())
         watcher = asyncio.ensure_future(_wait_disconnect(request))
@@ -439,18 +464,20 @@ class Server:
             watcher.cancel()
             if not consumer.done():
                 consumer.cancel()
-                self.async_engine.abort(stream)
+                self.abort_all(choices)
         if consumer not in done:
+            track.outcome = "client disconnected; aborted"
+            track.log()
             raise _ClientGone()
         try:
-            return consumer.result()
+            consumer.result()
         except (EngineFaultError, EngineDeadError) as e:
             raise self.fault(track.request_id, e) from None
 
-    def streaming(self, track: _Track, stream: RequestStream, events: AsyncIterator[str]) -> _EngineStreamResponse:
+    def streaming(self, track: _Track, choices: list[Choice], events: AsyncIterator[str]) -> _EngineStreamResponse:
         def on_close() -> None:
-            if not stream.finished:
-                self.async_engine.abort(stream)
+            if not all(c.stream.finished for c in choices):
+                self.abort_all(choices)
                 track.outcome = "client disconnected; aborted"
             track.log()
 
@@ -463,41 +490,85 @@ class Server:
                     .model_dump_json())
 
     # ---- routes ----------------------------------------------------------------------------
+    def completion_params(self, body: CompletionRequest) -> tuple[SamplingParams, int]:
+        """The engine's sampling params of every choice, and how many to generate per prompt."""
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        copies = body.best_of or body.n
+        if copies < body.n:
+            raise APIError(400, f"best_of must be at least n ({body.n}), got {copies}", param="best_of")
+        if body.stream and copies > body.n:
+            raise APIError(400, "best_of > n cannot be streamed: the best are known only at the end", param="best_of")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens 0 is only allowed with echo (the prompt and its logprobs)",
+                           param="max_tokens")
+        # best_of ranks by the sampled tokens' cumulative logprob: computed even if not asked for.
+        logprobs = body.logprobs if body.logprobs is not None else (0 if copies > body.n else None)
+        asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(asked) if asked else (0 if max_tokens == 0 else None)
+        return self.sampling_params(body, max_tokens, logprobs, prompt_logprobs), copies
+
+    def completion_choice(self, index: int, c: Choice, prompt: str | list[int], body: CompletionRequest,
+                          texts: TokenTexts) -> CompletionChoice:
+        echo = self.echo_text(prompt, c.prompt_token_ids) if body.echo else ""
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = (echo_completion_logprobs(texts, c.prompt_token_ids, c.prompt_logprobs, c.logprobs, len(echo))
+                        if body.echo else completion_logprobs(texts, c.prompt_token_ids[-1], c.logprobs, 0))
+        prompt_lps = (prompt_logprob_entries(texts, c.prompt_token_ids, c.prompt_logprobs)
+                      if body.prompt_logprobs is not None else None)
+        return CompletionChoice(index=index, text=echo + c.text, logprobs=logprobs,
+                                finish_reason=_finish_reason(c.finish_reason), prompt_logprobs=prompt_lps)
+
+    def echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.engine.tokenizer.decode(ids) if self.engine.tokenizer else ""  # accepted ids decode
+
+    # ---- routes ----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         track = self.new_track(request, "cmpl", "/v1/completions")
         self.check_model(body.model)
         self.refuse_unsupported(body)
-        if body.logprobs is not None:
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
-        if body.suffix is not None:
-            raise APIError(400, "suffix is not supported", param="suffix")
-        prompt = _single_prompt(body.prompt)
-        params = self.sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
-        ids = await run_in_threadpool(self.tokenize_prompt, prompt) if isinstance(prompt, str) else prompt
-        stream = await self.submit(track, ids, params, body, track.start)
-        echo = ""
-        if body.echo:  # ids were accepted, so they decode
-            echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids) if self.engine.tokenizer else ""
+        params, copies = self.completion_params(body)
+        prompts = _prompt_list(body.prompt)
+        ids = [await run_in_threadpool(self.tokenize_prompt, p) if isinstance(p, str) else p for p in prompts]
+        choices = await self.submit_choices(track, ids, params, copies, body)
         model, created = self.settings.served_model_name, int(time.time())
+        texts = TokenTexts(self.engine.tokenizer)
 
         if body.stream:
             include_usage, continuous = _usage_options(body)
 
-            def chunk(text: str, finish: str | None) -> str:
+            def chunk(k: int, text: str, finish: str | None, logprobs: CompletionLogprobs | None = None) -> str:
                 return _sse(CompletionChunk(id=track.request_id, created=created, model=model, choices=[
-                    CompletionChoice(text=text, finish_reason=finish)],
+                    CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=finish)],
                     usage=track.usage if continuous else None).model_dump_json())
 
             async def events() -> AsyncIterator[str]:
+                sent = [0] * len(choices)  # characters of each choice's text sent (text_offset)
                 try:
-                    if echo:
-                        yield chunk(echo, None)
-                    async for out in stream:
-                        track.update(out)
+                    async for k, out in merged(choices):
+                        c = choices[k]
+                        c.add(out)
+                        track.account(choices)
+                        if body.echo and sent[k] == 0 and c.num_output_tokens == len(out.new_token_ids):
+                            # The prompt first, once its logprobs are in (they come with the first output).
+                            echoed = self.completion_choice(k, dataclasses.replace(c, text="", logprobs=TokenLogprobs()),
+                                                            prompts[c.prompt_index], body, texts)
+                            sent[k] = len(echoed.text)
+                            yield chunk(k, echoed.text, None, echoed.logprobs)
                         # One chunk per generated token (as vLLM streams), even when the text is
                         # held back: clients time every token and count them against usage.
                         if out.text_delta or out.new_token_ids or out.finished:
-                            yield chunk(out.text_delta, _finish(out))
+                            lps = None
+                            if body.logprobs is not None and out.logprobs is not None:
+                                context = c.prompt_token_ids + c.token_ids
+                                lps = completion_logprobs(texts, context[-len(out.new_token_ids) - 1], out.logprobs,
+                                                          sent[k])
+                            sent[k] += len(out.text_delta)
+                            yield chunk(k, out.text_delta, _finish(out), lps)
                     if include_usage:
                         yield _sse(CompletionChunk(id=track.request_id, created=created, model=model, choices=[],
                                                    usage=track.usage).model_dump_json())
@@ -505,11 +576,12 @@ class Server:
                     yield self.error_event(track, e)
                 yield _DONE
 
-            return self.streaming(track, stream, events())
+            return self.streaming(track, choices, events())
 
-        text = await self._collect_or_log(stream, request, track)
+        await self.collect(choices, request, track)
+        kept = best_of(choices, body.n) if copies > body.n else choices
         resp = CompletionResponse(id=track.request_id, created=created, model=model, usage=track.usage, choices=[
-            CompletionChoice(text=echo + text, finish_reason=_finish_reason(track.finish_reason))])
+            self.completion_choice(k, c, prompts[c.prompt_index], body, texts) for k, c in enumerate(kept)])
         track.log()
         return JSONResponse(resp.model_dump(), headers={"X-Request-Id": track.request_id})
 
@@ -517,34 +589,45 @@ class Server:
         track = self.new_track(request, "chatcmpl", "/v1/chat/completions")
         self.check_model(body.model)
         self.refuse_unsupported(body)
-        if body.logprobs or body.top_logprobs is not None:
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.tools:
             raise APIError(400, "tools are not supported", param="tools")
         ids = await run_in_threadpool(self.render_chat, body.messages, body.add_generation_prompt)
         requested = body.max_completion_tokens or body.max_tokens
         # Without a limit, a chat reply may use the rest of the context (the engine stops there).
-        params = self.sampling_params(body, requested or max(1, self.engine.max_model_len - len(ids)))
-        stream = await self.submit(track, ids, params, body, track.start)
+        params = self.sampling_params(body, requested or max(1, self.engine.max_model_len - len(ids)),
+                                      (body.top_logprobs or 0) if body.logprobs else None)
+        choices = await self.submit_choices(track, [ids], params, body.n, body)
         model, created = self.settings.served_model_name, int(time.time())
+        texts = TokenTexts(self.engine.tokenizer)
+
+        def logprobs(c: Choice, new: TokenLogprobs | None) -> ChatLogprobs | None:
+            if not body.logprobs or new is None:
+                return None
+            context = c.prompt_token_ids + c.token_ids
+            return chat_logprobs(texts, context[-len(new) - 1], new)
 
         if body.stream:
             include_usage, continuous = _usage_options(body)
 
-            def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
+            def chunk(k: int, delta: DeltaMessage, finish: str | None = None, lps: ChatLogprobs | None = None) -> str:
                 return _sse(ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[
-                    ChatStreamChoice(delta=delta, finish_reason=finish)],
+                    ChatStreamChoice(index=k, delta=delta, logprobs=lps, finish_reason=finish)],
                     usage=track.usage if continuous else None).model_dump_json())
 
             async def events() -> AsyncIterator[str]:
                 try:
-                    yield chunk(DeltaMessage(role="assistant", content=""))
-                    async for out in stream:
-                        track.update(out)
+                    for k in range(len(choices)):
+                        yield chunk(k, DeltaMessage(role="assistant", content=""))
+                    async for k, out in merged(choices):
+                        c = choices[k]
+                        c.add(out)
+                        track.account(choices)
                         if out.text_delta or out.new_token_ids:  # one chunk per token, as above
-                            yield chunk(DeltaMessage(content=out.text_delta))
+                            yield chunk(k, DeltaMessage(content=out.text_delta), None, logprobs(c, out.logprobs))
                         if out.finished:
-                            yield chunk(DeltaMessage(), _finish(out))
+                            yield chunk(k, DeltaMessage(), _finish(out))
                     if include_usage:
                         yield _sse(ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[],
                                                        usage=track.usage).model_dump_json())
@@ -552,11 +635,12 @@ class Server:
                     yield self.error_event(track, e)
                 yield _DONE
 
-            return self.streaming(track, stream, events())
+            return self.streaming(track, choices, events())
 
-        text = await self._collect_or_log(stream, request, track)
+        await self.collect(choices, request, track)
         resp = ChatCompletionResponse(id=track.request_id, created=created, model=model, usage=track.usage, choices=[
-            ChatChoice(message=ChatMessageOut(content=text), finish_reason=_finish_reason(track.finish_reason))])
+            ChatChoice(index=k, message=ChatMessageOut(content=c.text), logprobs=logprobs(c, c.logprobs),
+                       finish_reason=_finish_reason(c.finish_reason)) for k, c in enumerate(choices)])
         track.log()
         return JSONResponse(resp.model_dump(), headers={"X-Request-Id": track.request_id})
 
@@ -604,14 +688,6 @@ class Server:
                            param="tokens")
         return DetokenizeResponse(prompt=await run_in_threadpool(tok.decode, body.tokens))
 
-    async def _collect_or_log(self, stream: RequestStream, request: Request, track: _Track) -> str:
-        try:
-            return await self.collect(stream, request, track)
-        except _ClientGone:
-            track.outcome = "client disconnected; aborted"
-            track.log()
-            raise
-
     @staticmethod
     def new_track(request: Request, prefix: str, route: str) -> _Track:
         track = _Track(f"{prefix}-{uuid.uuid4().hex}", route, time.monotonic())
@@ -619,13 +695,11 @@ class Server:
         return track
 
 
-def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's prompt forms as a list of prompts: a string, a token-id list, or a list of either."""
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return prompt  # type: ignore[return-value]
-    if len(prompt) != 1:
-        raise APIError(400, "a list of several prompts is not supported; send one prompt per request",
-                       param="prompt")
-    return prompt[0]  # type: ignore[return-value]
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
 
 
 def _usage_options(body: SamplingFields) -> tuple[bool, bool]:
@@ -695,14 +769,13 @@ def _model_name_schema(name: str) -> dict[str, Any]:
 
 def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Engine) -> None:
     """What this server accepts beyond the pydantic types: its model name, token ids in its
-    vocabulary, one prompt per request, and the fields it does not support yet at their off
+    vocabulary, non-empty prompts, and the fields it does not support yet at their off
     values (the handlers answer those with a specific 400)."""
     comps = schema["components"]["schemas"]
     token = {"type": "integer", "minimum": 0, "maximum": engine.vocab_size - 1}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = comps[name]["properties"]
         _narrow(props["model"], anyOf=[_model_name_schema(settings.served_model_name), {"type": "null"}])
-        _narrow(props["n"], type="integer", enum=[1])
         _narrow(props["stop"], anyOf=[{"type": "string", "minLength": 1},
                                       {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}])
         for penalty in ("presence_penalty", "frequency_penalty"):
@@ -713,13 +786,10 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
     _narrow(comp["prompt"], anyOf=[
         {"type": "string", "minLength": 1},
         {"type": "array", "items": token, "minItems": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-        {"type": "array", "items": {"type": "array", "items": token, "minItems": 1}, "minItems": 1, "maxItems": 1}])
-    _narrow(comp["logprobs"], type="null")
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": token, "minItems": 1}, "minItems": 1}])
     _narrow(comp["suffix"], type="null")
     chat = comps["ChatCompletionRequest"]["properties"]
-    _narrow(chat["logprobs"], type="boolean", enum=[False])
-    _narrow(chat["top_logprobs"], type="null")
     _narrow(chat["tools"], anyOf=[{"type": "array", "maxItems": 0}, {"type": "null"}])
     part = comps["TextContentPart"]
     part["properties"]["type"] = {"type": "string", "enum": ["text"], "title": "Type"}

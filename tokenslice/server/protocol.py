@@ -12,9 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from tokenslice.request import MAX_LOGPROBS
+
 # torch.Generator.manual_seed accepts exactly this range; outside it, a request would crash the engine.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+# Samples per prompt (n, best_of): each is a scheduled request; more would only fill the queue.
+MAX_CHOICES = 128
 # Hints that policies may turn into floats: bounded so they convert exactly.
 HINT_MIN, HINT_MAX = -(2**53), 2**53
 
@@ -46,6 +50,8 @@ PositiveInt = _int(ge=1)
 NonNegativeInt = _int(ge=0)
 TopK = _int(ge=-1)
 Seed = _int(ge=SEED_MIN, le=SEED_MAX)
+TopLogprobs = _int(ge=0, le=MAX_LOGPROBS)
+Choices = _int(ge=1, le=MAX_CHOICES)
 Hint = _int(ge=HINT_MIN, le=HINT_MAX)
 NonNegativeHint = _int(ge=0, le=HINT_MAX)
 
@@ -77,7 +83,8 @@ class SamplingFields(_Strict):
     top_k: TopK | None = Field(None, description="0 or -1: off")
     seed: Seed | None = None
     stop: Text | list[Text] | None = None
-    n: PositiveInt = Field(1, description="only 1 is supported")
+    n: Choices = Field(1, description="choices per prompt, each sampled independently (a seed gives each "
+                                          "its own stream derived from it)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0 is supported")
@@ -94,7 +101,15 @@ class SamplingFields(_Strict):
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Int] | list[Text] | list[list[Int]]
     echo: bool = False
-    logprobs: NonNegativeInt | None = Field(None, description="not supported yet: must be null")
+    max_tokens: NonNegativeInt | None = Field(None, description="0: no generation, only with echo (the prompt "
+                                                                "and its logprobs)")
+    logprobs: TopLogprobs | None = Field(None, description="log-probabilities of each token and of this many "
+                                                               "most likely alternatives (at most 20), from the "
+                                                               "model's raw logits")
+    best_of: Choices | None = Field(None, description="generate this many per prompt (>= n) and return the n "
+                                                          "with the highest cumulative logprob; not with stream")
+    prompt_logprobs: TopLogprobs | None = Field(None, description="vLLM's extension: each prompt token's "
+                                                                     "logprob and this many alternatives")
     suffix: str | None = Field(None, description="not supported: must be null")
 
 
@@ -112,8 +127,9 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = Field(None, description="wins over max_tokens")
-    logprobs: bool = Field(False, description="not supported yet: must be false")
-    top_logprobs: NonNegativeInt | None = Field(None, description="not supported yet: must be null")
+    logprobs: bool = Field(False, description="log-probabilities of the generated tokens (raw logits)")
+    top_logprobs: TopLogprobs | None = Field(None, description="with logprobs: this many most likely "
+                                                                  "alternatives per token (at most 20)")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
     add_generation_prompt: bool = True
 
@@ -165,11 +181,52 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: one entry per token (an echoed prompt's first token has
+    no logprob: null), text_offset counts characters into the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # vLLM's extension field appears only when asked for.
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprob] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -189,7 +246,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -215,7 +272,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
