@@ -18,6 +18,7 @@ from serverkit import RunningServer, start_server, wait_idle
 
 TINY = "builtin:tiny"
 PROMPT = "Once upon a time"
+LONG_PROMPT = "Once upon a time, in a land far far away"  # 40 bytes: two full KV blocks
 
 
 @pytest.fixture(scope="module")
@@ -171,15 +172,18 @@ def test_n_with_seed_is_distinct_and_reproducible_under_load(tiny: RunningServer
     client = _client(tiny)
 
     def three() -> list[str]:
-        r = client.completions.create(model=TINY, prompt=PROMPT, max_tokens=12, n=3, seed=42, temperature=1.0)
+        r = client.completions.create(model=TINY, prompt=LONG_PROMPT, max_tokens=12, n=3, seed=42, temperature=1.0)
         assert sorted(c.index for c in r.choices) == [0, 1, 2]
         # The prompt is counted once, every choice's tokens are.
-        assert r.usage.prompt_tokens == len(tiny.engine.tokenizer(PROMPT)["input_ids"])
+        assert r.usage.prompt_tokens == len(tiny.engine.tokenizer(LONG_PROMPT)["input_ids"])
         assert 3 <= r.usage.completion_tokens <= 36
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
+    stats = tiny.engine.scheduler.stats
+    hits = stats.prefix_cache_device_hits
     alone = three()
     assert len(set(alone)) == 3
+    assert stats.prefix_cache_device_hits - hits == 2 * 32  # siblings attached the first one's two full blocks
     stop = threading.Event()
     load = _background_load(tiny, stop)
     try:
@@ -188,7 +192,7 @@ def test_n_with_seed_is_distinct_and_reproducible_under_load(tiny: RunningServer
         stop.set()
         load.join(60)
     # The first sample is the one n=1 with the same seed gives.
-    one = client.completions.create(model=TINY, prompt=PROMPT, max_tokens=12, seed=42, temperature=1.0)
+    one = client.completions.create(model=TINY, prompt=LONG_PROMPT, max_tokens=12, seed=42, temperature=1.0)
     assert one.choices[0].text == alone[0]
 
 

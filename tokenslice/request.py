@@ -133,6 +133,7 @@ class EngineRequest:
     predicted_output_tokens: int | None = None  # an output-length prediction made upstream
     eos_after: int | None = None  # trace replay: stop as at an EOS after this many tokens (Request.eos_after)
     cache_prefix: bool = True  # Request.cache_prefix
+    prefix_leader: str | None = None  # Request.prefix_leader
 
 
 class Request:
@@ -163,6 +164,9 @@ class Request:
         # Its KV may be shared through the prefix cache: false for placeholder prompts (a
         # simulated trace without token ids), whose equal ids do not mean equal text.
         self.cache_prefix = True
+        # A sibling sample (n > 1) of the same prompt: it waits until this request's prompt KV is
+        # computed, then starts from it through the prefix cache instead of computing it again.
+        self.prefix_leader: str | None = None
         # The next prompt position whose logprob is due (prompt_logprobs): a recompute runs
         # positions again, and each is reported once.
         self.next_prompt_logprob = 1
@@ -197,6 +201,12 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs are asked for and not all reported: its prompt must really be computed."""
         return self.params.prompt_logprobs is not None and self.next_prompt_logprob < len(self.prompt_token_ids)
+
+    def waits_for(self, leader: Request | None) -> bool:
+        """Whether it waits for its live prefix leader to compute the prompt they share, so as to
+        attach that KV from the prefix cache (it would compute it itself if it could not attach)."""
+        return (leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
+                and self.cache_prefix and leader.cache_prefix and not self.needs_prompt_logprobs)
 
     def take_prompt_logprob_targets(self, start: int, n: int) -> tuple[int, list[int]]:
         """For a slice computing positions start..start+n-1: (its first row to report, the prompt

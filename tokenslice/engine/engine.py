@@ -216,6 +216,7 @@ class Engine:
         req.max_total_tokens = self.max_model_len
         req.eos_after = new.eos_after
         req.cache_prefix = new.cache_prefix
+        req.prefix_leader = new.prefix_leader
         if self.length_predictor is not None and self.tokenizer is not None:
             self._predict_length(req, prompt_text)
         self.scheduler.add(req, now)

@@ -125,7 +125,7 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             holds_kv = computed > 0
-            if (admission_blocked and not holds_kv) or rid in dropped:
+            if (admission_blocked and not holds_kv) or rid in dropped or (not holds_kv and self._follows(req)):
                 continue
             on_host = kv.residency(rid) == "host"
             loads = on_host or not holds_kv  # its KV must be loaded: prefilled, recomputed or swapped in
@@ -158,6 +158,10 @@ class Scheduler:
         if self.kv.prefix is None or not req.cache_prefix or req.needs_prompt_logprobs:  # those need the logits
             return None
         return self.kv.attach_prefix(req.request_id, req.num_tokens, req.token_ids)
+
+    def _follows(self, req: Request) -> bool:
+        """A sibling sample waits while its leader computes their prompt, then attaches it (prefix cache)."""
+        return self.kv.prefix is not None and req.waits_for(self.requests.get(req.prefix_leader or ""))
 
     def _start_from_prefix(self, req: Request, hit: PrefixHit, plan: StepPlan) -> bool:
         """The request runs from its cached prefix, counted as computed (vLLM); the part found

@@ -402,11 +402,12 @@ class Server:
         return "".join(parts)
 
     async def submit(self, track: _Track, request_id: str, prompt: list[int], params: SamplingParams,
-                     body: SamplingFields) -> RequestStream:
+                     body: SamplingFields, prefix_leader: str | None = None) -> RequestStream:
         try:
             return await self.async_engine.add_request(EngineRequest(
                 request_id, prompt, params, arrival_time=track.start, user=body.user, priority=body.priority,
-                expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None))
+                expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None,
+                prefix_leader=prefix_leader))
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except EngineOverloadedError:
@@ -429,10 +430,11 @@ class Server:
         try:
             for pi, ids in enumerate(prompts):
                 for i in range(copies):
-                    k = pi * copies + i
-                    rid = track.request_id if single else f"{track.request_id}-{k}"
+                    rid = track.request_id if single else f"{track.request_id}-{pi * copies + i}"
                     sp = dataclasses.replace(params, seed=sibling_seed(params.seed, i))
-                    choices.append(Choice(pi, ids, await self.submit(track, rid, ids, sp, body)))
+                    # Siblings start from the first one's prompt KV (prefix cache) instead of recomputing it.
+                    leader = choices[pi * copies].stream.request_id if i else None
+                    choices.append(Choice(pi, ids, await self.submit(track, rid, ids, sp, body, leader)))
         except BaseException:
             self.abort_all(choices)
             raise
