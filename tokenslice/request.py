@@ -76,7 +76,7 @@ class TokenLogprobs:
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    ranks: list[int] = field(default_factory=list)  # of each token in its distribution (1: most likely)
+    ranks: list[int] = field(default_factory=list)  # prompt positions only: 1 = most likely token
     top_token_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
 
