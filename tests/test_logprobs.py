@@ -112,10 +112,14 @@ def test_prompt_logprobs_skip_the_prefix_cache(reference):
         assert llm.engine.scheduler.stats.prefix_cache_device_hits == 0
 
 
-def test_sampled_logprobs_are_raw_whatever_the_temperature(reference):
+def test_sampled_logprobs_are_raw_whatever_the_logit_processing(reference):
+    # Temperature, top-k, a logit bias that makes token 300 win, a repetition penalty: the
+    # logprobs still describe the model's own distribution.
+    params = SamplingParams(max_tokens=8, temperature=1.7, top_k=5, seed=3, ignore_eos=True, logprobs=0,
+                            logit_bias={300: 100.0}, repetition_penalty=1.3, min_tokens=2)
     with LLM(str(STORIES), dtype="float32") as llm:
-        out = llm.generate([SHORT[0]], SamplingParams(max_tokens=8, temperature=1.7, top_k=5, seed=3,
-                                                      ignore_eos=True, logprobs=0))[0]
+        out = llm.generate([SHORT[0]], params)[0]
+    assert 300 in out.token_ids
     _check(reference, SHORT[0], out.token_ids, out.logprobs, None, k=0)
 
 

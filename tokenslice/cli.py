@@ -111,6 +111,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(SchedulerConfig, "slo_normalized_latency", help="s/token; informs policy defaults")
     flag(SchedulerConfig, "length_predictor", metavar="DIR",
          help="output-length predictor directory from `tokenslice predictor build` (srpt-predicted)")
+    flag(SchedulerConfig, "length_predictor_store_text",
+         help="also store each finished prompt's text in the predictor's history (default: only its "
+              "embedding and lengths)")
     _add_scheduler_tuning_args(p, SchedulerConfig)
 
 
@@ -162,7 +165,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     engine = Engine.from_config(engine_config_from_args(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
+                            seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos, min_p=a.min_p,
+                            presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                            repetition_penalty=a.repetition_penalty)
     for out in engine.generate(a.prompt, params):
         print(out.text if not a.echo else (out.prompt or "") + out.text)
     return 0
@@ -602,7 +607,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_flag(g, SamplingParams, "max_tokens", default=GENERATE_MAX_TOKENS,
                    help=f"more than an API request's default ({SamplingParams.max_tokens}, OpenAI's), so that a "
                    "continuation is long enough to read")
-    for name in ("temperature", "top_p", "top_k"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
         add_field_flag(g, SamplingParams, name)
     g.add_argument("--stop", action="append")
     add_field_flag(g, SamplingParams, "ignore_eos")

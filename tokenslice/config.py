@@ -144,6 +144,10 @@ class SchedulerConfig:
     # Output-length predictor directory (`tokenslice predictor build`; ALISE §3.1) that
     # srpt-predicted consults on arrival. None: no predictor.
     length_predictor: str | None = None
+    # Keep each finished prompt's raw text in the predictor's history as well. Off: the history
+    # holds only what prediction reads (embedding, prompt and output lengths), so prompts are
+    # not kept on disk.
+    length_predictor_store_text: bool = False
     # vtc (Sheng et al., OSDI'24 §4): a user's service is input tokens x vtc_input_weight + output
     # tokens x vtc_output_weight (the paper's cost function and its artifact's prices 1 and 2),
     # divided by the user's share in vtc_weights ("user=w,..."; unlisted users and the anonymous

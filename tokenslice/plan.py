@@ -30,6 +30,9 @@ class SeqSlice:
     # slice rows prompt_logprob_offset.. (positions already reported, e.g. before a recompute, are left out).
     prompt_logprob_targets: list[int] = field(default_factory=list)
     prompt_logprob_offset: int = 0
+    # Prompt + output token ids so far, only for a sampling slice whose params need them
+    # (penalties): the runner cannot rebuild them (earlier steps, prefix-cache hits, recompute).
+    history_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,11 @@ class RequestState(enum.Enum):
 
 
 MAX_LOGPROBS = 20  # alternatives per position, as vLLM's default max_logprobs and OpenAI's top_logprobs
+MAX_PENALTY = 2.0  # presence / frequency, as OpenAI bounds them
+# Past these bounds a repeated token is as good as banned (or forced) anyway; closer to 0, dividing
+# a float32 logit by the penalty overflows to inf.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-4, 1e4
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound
 
 
 class InvalidRequestError(ValueError):
@@ -35,6 +40,17 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    # OpenAI's penalties, over the output so far: logit -= frequency * count + presence * (count > 0).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (CTRL's) penalty over prompt and output: positive logits divided by it, negative multiplied.
+    repetition_penalty: float = 1.0
+    # Added to a token's logit before sampling; keys are token ids (OpenAI's logit_bias).
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    include_stop_str_in_output: bool = False  # keep a matched stop string (or stop token) in the text
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # Log-probabilities from the model's raw logits (before temperature and any other logit
     # processing, as vLLM reports them): the top `logprobs` alternatives of each sampled token
     # (0: the sampled token's alone), and of each prompt token (`prompt_logprobs`). None: off.
@@ -63,6 +79,36 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", "min_tokens")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty", "stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:  # also refuses NaN
+                raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}", name)
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+                                      f"got {self.repetition_penalty}", "repetition_penalty")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        for tok, bias in self.logit_bias.items():
+            if not isinstance(tok, int) or tok < 0:
+                raise InvalidRequestError(f"logit_bias keys must be token ids (non-negative integers), got {tok!r}",
+                                          "logit_bias")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                                          f"got {bias} for token {tok}", "logit_bias")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be non-negative token ids", "stop_token_ids")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids the sampler indexes logits with must exist in the model's vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", name)
+
+    @property
+    def penalized(self) -> bool:
+        """Sampling needs the request's token history (SeqSlice.history_token_ids)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -17,9 +17,16 @@ CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], stop: list[str], *,
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True,
+                 include_stop_str: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop_str = include_stop_str
+        # Only what differs from the tokenizer's defaults, so tokenizers without the option work.
+        self._decode_options: dict[str, bool] = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:
+            self._decode_options["spaces_between_special_tokens"] = False
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -29,7 +36,7 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, **self._decode_options)
 
     def add(self, token_ids: list[int], final: bool = False) -> None:
         """Decode new tokens; sets `stopped` if a stop string appeared (text is cut before it).
@@ -46,9 +53,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         # A stop string may straddle old and new text; the earliest match wins.
-        hits = [at for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
+        hits = [(at, at + len(s)) for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
         if hits:
-            self.text = self.text[:min(hits)]
+            start, end = min(hits)
+            self.text = self.text[:end if self.include_stop_str else start]
             self.stopped = True
 
     def delta(self, final: bool) -> str:

@@ -128,7 +128,8 @@ class Engine:
         if config.scheduler.length_predictor:
             from tokenslice.predict.length import LengthPredictor
 
-            engine.length_predictor = LengthPredictor.load(config.scheduler.length_predictor)
+            engine.length_predictor = LengthPredictor.load(
+                config.scheduler.length_predictor, store_text=config.scheduler.length_predictor_store_text)
         return engine
 
     def close(self) -> None:
@@ -202,6 +203,7 @@ class Engine:
         `prompt_text` spares the length predictor a detokenization."""
         params = new.params
         params.validate()
+        params.check_vocab(self.vocab_size)
         self._check_priority(new.priority)
         ids = list(new.prompt_token_ids)
         self._check_prompt(ids)
@@ -221,7 +223,10 @@ class Engine:
             self._predict_length(req, prompt_text)
         self.scheduler.add(req, now)
         if self.tokenizer is not None:
-            self._detok[req.request_id] = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            self._detok[req.request_id] = IncrementalDetokenizer(
+                self.tokenizer, ids, params.stop, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                include_stop_str=params.include_stop_str_in_output)
         return req
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -305,7 +310,10 @@ class Engine:
             for req in produced:
                 det = self._detok.get(req.request_id)
                 if det is not None:
-                    det.add(req.output_token_ids[-1:])
+                    # Finished with "stop" before any stop string was seen: the token itself
+                    # (EOS, stop_token_ids) stopped it, and stays out of the text unless asked (vLLM).
+                    stop_token = req.finish_reason == "stop" and not req.params.include_stop_str_in_output
+                    det.add([] if stop_token else req.output_token_ids[-1:])
                     if det.stopped and not req.is_finished:
                         self.scheduler.finish(req.request_id, "stop", now)
         finished = self.scheduler.take_finished()

@@ -99,6 +99,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     _load_weights(model, arch, path)
     _rebuild_buffers(model, arch)
     tokenizer = load_tokenizer(cfg.tokenizer or str(path))
+    check_vocab(tokenizer, arch, cfg.tokenizer or str(path), str(path))
     return LoadedModel(_finalize(model, device, dtype), arch, tokenizer, dtype, device, str(path))
 
 
@@ -122,6 +123,17 @@ def load_tokenizer(path: str) -> Any:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many kinds; all mean the same to the user
         raise ModelLoadError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e})") from None
+
+
+def check_vocab(tokenizer: Any, arch: ArchConfig, tokenizer_source: str, model_source: str) -> None:
+    """Every id the tokenizer can produce must have an embedding row. A smaller tokenizer is fine:
+    checkpoints pad the vocabulary (Qwen2, OPT) and those rows are never fed in."""
+    size = max(tokenizer.get_vocab().values(), default=-1) + 1
+    if size > arch.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer {tokenizer_source!r} has {size} tokens but model {model_source!r} has only {arch.vocab_size} "
+            f"embedding rows (vocab_size); ids {arch.vocab_size}..{size - 1} would index past them. "
+            f"Use the tokenizer made for this model")
 
 
 def _rebuild_buffers(model: nn.Module, arch: ArchConfig) -> None:

@@ -1,5 +1,7 @@
-"""The output-length predictor's history: every finished request's prompt, its embedding and its
-output length, in an embedded SQLite database (ALISE §3.1 keeps such a store and updates it online).
+"""The output-length predictor's history: every finished request's prompt embedding, prompt and
+output lengths (and its text only when asked), in an embedded SQLite database (ALISE §3.1 keeps
+such a store and updates it online). The database is created 0600; SQLite gives its -wal and -shm
+files the database's mode.
 
 SQLite is the source of truth: the vector index is rebuilt from it on load, so the two can never
 disagree after a crash. WAL mode with synchronous=NORMAL makes each committed insert survive a
@@ -9,6 +11,7 @@ commit costs no fsync on the serving path (only an OS crash can lose the last fe
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -16,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+PRIVATE_FILE_MODE = 0o600  # the predictor's files: readable by the serving user only
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS records (
@@ -49,7 +54,7 @@ class HistoryArrays:
 class HistoryRow:
     """One record to insert."""
 
-    prompt: str
+    prompt: str  # "" unless the predictor stores text
     prompt_tokens: int
     output_len: int
     censored: bool
@@ -62,6 +67,8 @@ class HistoryStore:
     def __init__(self, path: str | Path, dim: int) -> None:
         self.path = Path(path)
         self.dim = dim
+        # Created private before SQLite opens it (an existing file keeps the mode it has).
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE))
         # check_same_thread=False: the predictor serialises access with its own lock, and the
         # engine thread and the trainer thread both go through it.
         self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None)

@@ -18,6 +18,10 @@ A predictor is a directory:
     history.sqlite3         every record (+ -wal/-shm while open): the source of truth
     regressor.safetensors   the MLP ensemble, replaced atomically after each training
 
+Records hold a prompt's embedding and lengths, not its text, unless `store_text` asks for it
+(config `length_predictor_store_text`); every file is created readable by its owner only (0600),
+in a directory created 0700, since embeddings still say something about the prompts.
+
 The faiss index lives in memory and is rebuilt from the history on load, so a crash can never
 leave index and history disagreeing.
 """
@@ -37,7 +41,7 @@ import numpy as np
 
 from tokenslice.predict.blend import combine, neighbour_mean, tune_blend
 from tokenslice.predict.embed import SentenceEmbedder
-from tokenslice.predict.history import HistoryArrays, HistoryRow, HistoryStore
+from tokenslice.predict.history import PRIVATE_FILE_MODE, HistoryArrays, HistoryRow, HistoryStore
 from tokenslice.predict.regressor import LengthRegressor, RegressorConfig, TrainingSet
 
 log = logging.getLogger(__name__)
@@ -147,8 +151,10 @@ class LengthPredictor:
     background. Use `create` for a new directory and `load` for an existing one; `close` when done.
     """
 
-    def __init__(self, path: Path, config: PredictorConfig, embedder: SentenceEmbedder, store: HistoryStore) -> None:
+    def __init__(self, path: Path, config: PredictorConfig, embedder: SentenceEmbedder, store: HistoryStore,
+                 store_text: bool = False) -> None:
         self.path = path
+        self.store_text = store_text  # keep raw prompt text in the history (off: embeddings and lengths only)
         self.config = config
         self.embedder = embedder
         self._store = store
@@ -167,21 +173,21 @@ class LengthPredictor:
 
     @classmethod
     def create(cls, path: str | Path, config: PredictorConfig | None = None,
-               embedder: SentenceEmbedder | None = None) -> LengthPredictor:
+               embedder: SentenceEmbedder | None = None, store_text: bool = False) -> LengthPredictor:
         """A new, empty predictor in `path` (which must not hold one already)."""
         path = Path(path)
         if (path / CONFIG_FILE).exists() or (path / HISTORY_FILE).exists():
             raise FileExistsError(f"{path} already holds a length predictor; load it or choose another directory")
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
         config = config or PredictorConfig()
         embedder = embedder or SentenceEmbedder(config.embedder, dtype=config.embedder_dtype)
-        pred = cls(path, config, embedder, HistoryStore(path / HISTORY_FILE, embedder.dim))
+        pred = cls(path, config, embedder, HistoryStore(path / HISTORY_FILE, embedder.dim), store_text)
         pred._save_config()
         return pred
 
     @classmethod
     def load(cls, path: str | Path, *, embedder: SentenceEmbedder | None = None, cache_size: int = 4096,
-             background_training: bool = True) -> LengthPredictor:
+             background_training: bool = True, store_text: bool = False) -> LengthPredictor:
         """Open the predictor in `path`: history, index and the last saved MLP. Retrains in the
         background at once if the history outgrew the saved MLP by `retrain_every` records, and
         after every `retrain_every` observations, unless background_training is False (then
@@ -196,7 +202,7 @@ class LengthPredictor:
             raise ValueError(f"{cfg_file} has format version {data.get('version')}, expected {FORMAT_VERSION}")
         config = PredictorConfig.from_dict(data["config"])
         embedder = embedder or SentenceEmbedder(config.embedder, cache_size=cache_size, dtype=config.embedder_dtype)
-        pred = cls(path, config, embedder, HistoryStore(path / HISTORY_FILE, embedder.dim))
+        pred = cls(path, config, embedder, HistoryStore(path / HISTORY_FILE, embedder.dim), store_text)
         pred.tune_score = data.get("tune_score")
         pred._add_to_banks(pred._store.load())
         if (path / REGRESSOR_FILE).is_file():
@@ -315,7 +321,7 @@ class LengthPredictor:
             raise ValueError("output lengths must be >= 0")
         with self._lock:
             emb, plen = self._embed(list(prompts))
-            rows = [HistoryRow(p, int(t), int(n), bool(c), e)
+            rows = [HistoryRow(p if self.store_text else "", int(t), int(n), bool(c), e)
                     for p, t, n, c, e in zip(prompts, plen, output_lens, censored, emb)]
             ids = self._store.add(rows)
             self._add_to_banks(HistoryArrays(
@@ -462,7 +468,7 @@ class LengthPredictor:
     def _save_config(self) -> None:
         data = {"version": FORMAT_VERSION, "config": self.config.to_dict(), "tune_score": self.tune_score}
         tmp = self.path / (CONFIG_FILE + ".tmp")
-        with open(tmp, "w") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE), "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
             f.flush()

@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from tokenslice.predict.history import PRIVATE_FILE_MODE
+
 
 @dataclass
 class RegressorConfig:
@@ -145,6 +147,7 @@ class LengthRegressor:
                 "len_std": repr(self.len_std), "trained_on": str(self.trained_on)}
         tmp = path.with_name(path.name + ".tmp")
         save_file(tensors, str(tmp), metadata=meta)
+        os.chmod(tmp, PRIVATE_FILE_MODE)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

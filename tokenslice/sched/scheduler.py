@@ -179,6 +179,8 @@ class Scheduler:
         s = SeqSlice(rid, req.token_ids(computed, computed + chunk), computed, self.kv.block_table(rid),
                      sample and req.params.max_tokens > 0, req.params, len(req.output_token_ids), req.eos_token_id)
         s.prompt_logprob_offset, s.prompt_logprob_targets = req.take_prompt_logprob_targets(computed, chunk)
+        if s.sample and req.params.penalized:  # the runner sees only this step's tokens
+            s.history_token_ids = req.prompt_token_ids + req.output_token_ids
         (plan.decode if chunk == 1 else plan.prefill).append(s)
         if req.state is not RequestState.RUNNING:
             if req.metrics.first_scheduled_time is None:

@@ -37,13 +37,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenslice.engine.async_engine import (AsyncEngine, EngineDeadError, EngineFaultError,
                                             EngineOverloadedError, RequestStream)
 from tokenslice.engine.engine import Engine
-from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput, SamplingParams, TokenLogprobs
+from tokenslice.request import (MAX_LOGIT_BIAS, EngineRequest, InvalidRequestError, RequestOutput, SamplingParams,
+                                TokenLogprobs)
 from tokenslice.server.choices import Choice, best_of, merged, sibling_seed
 from tokenslice.server.logprobs import (TokenTexts, chat_logprobs, completion_logprobs, echo_completion_logprobs,
                                         prompt_logprob_entries)
 from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                        ChatCompletionResponse, ChatLogprobs, CompletionLogprobs, ChatMessage, ChatMessageOut, ChatStreamChoice,
+                                        ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatMessageOut,
+                                        ChatStreamChoice, CompletionLogprobs,
                                         CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
                                         DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
                                         ErrorResponse, ModelCard, ModelList, PriorityResponse, PriorityUpdate,
@@ -311,9 +313,6 @@ class Server:
 
     @staticmethod
     def refuse_unsupported(body: SamplingFields) -> None:
-        if body.presence_penalty or body.frequency_penalty:
-            param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
-            raise APIError(400, f"{param} is not supported yet; leave it at 0", param=param)
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
@@ -326,6 +325,12 @@ class Server:
             temperature=0.0 if temperature < GREEDY_TEMPERATURE else min(temperature, MAX_TEMPERATURE),
             top_p=1.0 if body.top_p is None else max(body.top_p, MIN_TOP_P), top_k=0 if body.top_k is None else body.top_k,
             seed=body.seed, stop=stop, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=_logit_bias(body.logit_bias), min_p=body.min_p or 0.0,
+            stop_token_ids=list(body.stop_token_ids or []), include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             params.validate()
@@ -337,6 +342,15 @@ class Server:
         params.max_tokens = min(params.max_tokens, cap)
         params.min_tokens = min(params.min_tokens, cap)
         return params
+
+    def check_room(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        """An explicit output limit must fit the context after the prompt, as vLLM checks it; a
+        prompt that leaves no room at all is the engine's error (param "prompt")."""
+        limit = self.engine.max_model_len
+        if max_tokens is not None and len(ids) < limit and len(ids) + max_tokens > limit:
+            raise APIError(400, f"this model's context is {limit} tokens, but {len(ids) + max_tokens} were requested "
+                                f"({len(ids)} in the prompt, {max_tokens} for the completion); lower {param} to at "
+                                f"most {limit - len(ids)} or shorten the prompt", param=param)
 
     @functools.cached_property
     def max_prompt_chars(self) -> int | None:
@@ -536,6 +550,8 @@ class Server:
         params, copies = self.completion_params(body)
         prompts = _prompt_list(body.prompt)
         ids = [await run_in_threadpool(self.tokenize_prompt, p) if isinstance(p, str) else p for p in prompts]
+        for one in ids:
+            self.check_room(one, body.max_tokens, "max_tokens")
         choices = await self.submit_choices(track, ids, params, copies, body)
         model, created = self.settings.served_model_name, int(time.time())
         texts = TokenTexts(self.engine.tokenizer)
@@ -597,6 +613,7 @@ class Server:
             raise APIError(400, "tools are not supported", param="tools")
         ids = await run_in_threadpool(self.render_chat, body.messages, body.add_generation_prompt)
         requested = body.max_completion_tokens or body.max_tokens
+        self.check_room(ids, requested, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         # Without a limit, a chat reply may use the rest of the context (the engine stops there).
         params = self.sampling_params(body, requested or max(1, self.engine.max_model_len - len(ids)),
                                       (body.top_logprobs or 0) if body.logprobs else None)
@@ -704,6 +721,16 @@ def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[
     return list(prompt)  # type: ignore[arg-type]
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias has token ids as string keys (JSON objects have no others)."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 18):  # int() of a huge digit string is costly
+            raise APIError(400, f"logit_bias keys must be token ids, got {key[:20]!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
 def _usage_options(body: SamplingFields) -> tuple[bool, bool]:
     """(usage chunk at the end, usage so far on every chunk). As vLLM, continuous_usage_stats
     takes effect only together with include_usage."""
@@ -749,6 +776,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return "request body is not valid JSON", None
     if not loc:
         return f"request body: {e.get('msg', 'invalid')}", None
+    if e.get("type") == "extra_forbidden":  # extra="forbid": a field this server does not implement
+        return f"{'.'.join(loc)}: this server does not support this field", loc[0]
     # The input value is deliberately left out: it may be prompt text, which is never echoed or logged.
     param = ".".join(loc)
     return f"{param}: {e.get('msg', 'invalid')}", loc[0]
@@ -780,8 +809,11 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
         _narrow(props["model"], anyOf=[_model_name_schema(settings.served_model_name), {"type": "null"}])
         _narrow(props["stop"], anyOf=[{"type": "string", "minLength": 1},
                                       {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}])
-        for penalty in ("presence_penalty", "frequency_penalty"):
-            _narrow(props[penalty], type="number", enum=[0])
+        _narrow(props["stop_token_ids"], anyOf=[{"type": "array", "items": token}, {"type": "null"}])
+        _narrow(props["logit_bias"], anyOf=[{"type": "object", "propertyNames": {"pattern": "^[0-9]{1,18}$"},
+                                             "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                                      "maximum": MAX_LOGIT_BIAS}},
+                                            {"type": "null"}])
         if not engine.scheduler.policy.uses_priority:
             _narrow(props["priority"], type="integer", enum=[0])
     comp = comps["CompletionRequest"]["properties"]

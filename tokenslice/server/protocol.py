@@ -2,15 +2,20 @@
 
 Models are strict: the API documents numbers as numbers, so "5" for max_tokens is a 400 rather
 than a silent coercion, and the OpenAPI schema FastAPI derives from them is what fuzzers test.
-Fields the engine does not support yet are accepted in the schema and refused with a clear 400
-by the handlers, so clients get a message instead of silently ignored settings.
+Unknown fields are refused with a 400 that names them (`extra="forbid"`), so a setting the
+server does not implement is never silently ignored; the one exception is IGNORED_FIELDS, a
+short documented list of fields that change nothing here. Declared fields the engine does not
+support yet are refused by the handlers with a clear 400.
 """
 from __future__ import annotations
 
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler,
+                      model_serializer, model_validator)
+
+from tokenslice.request import MAX_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
 from tokenslice.request import MAX_LOGPROBS
 
@@ -56,8 +61,17 @@ Hint = _int(ge=HINT_MIN, le=HINT_MAX)
 NonNegativeHint = _int(ge=0, le=HINT_MAX)
 
 
+# Request fields accepted and ignored when a request model does not declare them (README, "Request
+# fields"): OpenAI's stored-completion bookkeeping (`metadata`, `store`) and `service_tier`, which
+# change nothing on a self-hosted server, and fields that were accepted without effect before
+# unknown fields were refused and keep that behaviour (`best_of`, `prompt_logprobs`, `top_logprobs`
+# on completions, `echo` on chat), so existing clients keep working.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "best_of", "prompt_logprobs", "top_logprobs",
+                            "echo"})
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -87,15 +101,37 @@ class SamplingFields(_Strict):
                                           "its own stream derived from it)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0 is supported")
-    frequency_penalty: float = Field(0.0, allow_inf_nan=False, description="only 0 is supported")
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False,
+                                    description="subtracted from the logit of every token the output already holds")
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False,
+                                     description="subtracted once per occurrence of a token in the output so far")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (as a string key) -> bias in [-100, 100] added to its logit")
     ignore_eos: bool = False
     min_tokens: NonNegativeInt = 0
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, allow_inf_nan=False,
+        description="vLLM's: logits of tokens in the prompt or output divided by it (if positive) or multiplied "
+                    "(if negative); 1 is off")
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
+                                description="drop tokens less likely than min_p x the most likely one; 0 is off")
+    stop_token_ids: list[NonNegativeInt] | None = Field(None, description="token ids that end the output")
+    include_stop_str_in_output: bool = Field(False, description="keep the stop string or stop token in the text")
+    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
+    spaces_between_special_tokens: bool = Field(True, description="(slow tokenizers only) space around "
+                                                                  "special tokens in the text")
     priority: Hint = Field(0, description="lower runs first under --policy priority; other policies "
                                           "refuse anything but 0; change it later with "
                                           "POST /v1/requests/{id}/priority")
     user: str | None = None
     tokenslice: TokensliceOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not IGNORED_FIELDS.isdisjoint(data):
+            return {k: v for k, v in data.items() if k not in IGNORED_FIELDS or k in cls.model_fields}
+        return data
 
 
 class CompletionRequest(SamplingFields):
@@ -114,6 +150,9 @@ class CompletionRequest(SamplingFields):
 
 
 class TextContentPart(_Strict):
+    # Other part types carry other fields (image_url, ...): the handler refuses them by `type`.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
     type: str
     text: Text | None = None
 
