@@ -23,7 +23,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tokenslice import LLM, SamplingParams
 
 PROMPT, NEW = 64, 64
-TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "gpt2"
+# Prompts are token ids below 32000. The loader refuses a tokenizer with ids past the model's
+# embedding rows (GPT-2's has 50257), so the checkpoint carries stories260k's 512-token one.
+TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def build_checkpoint(path: Path) -> int:
@@ -33,9 +36,8 @@ def build_checkpoint(path: Path) -> int:
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(cfg).eval()
     model.save_pretrained(path)
-    # Prompts are token ids; any tokenizer satisfies the loader (GPT-2's, from ../shared).
-    for f in TOKENIZER.iterdir():
-        shutil.copy(f, path / f.name)
+    for name in TOKENIZER_FILES:
+        shutil.copy(TOKENIZER / name, path / name)
     return sum(p.numel() for p in model.parameters())
 
 

@@ -17,15 +17,15 @@ def build_tiny_checkpoint(kind: str, out: Path) -> Path:
     from transformers import (LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM)
 
-    torch.manual_seed({"llama": 0, "qwen2": 1, "opt": 2}[kind])
+    torch.manual_seed({"llama": 0, "qwen2": 1, "opt": 2, "qwen2-1kv": 3}[kind])
     common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=256)
     if kind == "llama":  # GQA, untied head, non-default rope theta
         model = LlamaForCausalLM(LlamaConfig(intermediate_size=128, num_key_value_heads=2, rope_theta=500000.0,
                                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **common))
-    elif kind == "qwen2":  # qkv bias, tied embeddings
-        model = Qwen2ForCausalLM(Qwen2Config(intermediate_size=128, num_key_value_heads=2, tie_word_embeddings=True,
-                                             bos_token_id=1, eos_token_id=2, **common))
+    elif kind in ("qwen2", "qwen2-1kv"):  # qkv bias, tied embeddings; GQA, or one KV head for all
+        model = Qwen2ForCausalLM(Qwen2Config(intermediate_size=128, num_key_value_heads=1 if kind == "qwen2-1kv" else 2,
+                                             tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, **common))
     elif kind == "opt":
         model = OPTForCausalLM(OPTConfig(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=0, bos_token_id=1,
                                          eos_token_id=2, **common))

@@ -15,6 +15,7 @@ import httpx
 import uvicorn
 
 from tokenslice.cli import build_parser, serve_app_from_args
+from tokenslice.engine.async_engine import EngineInfo
 from tokenslice.engine.engine import Engine
 from tokenslice.server.app import Server
 
@@ -35,7 +36,23 @@ class RunningServer:
 
     @property
     def engine(self) -> Engine:
-        return self.server.engine
+        """The engine itself: only with --no-engine-process (else it lives in the core process)."""
+        engine = getattr(self.server.async_engine, "engine", None)
+        if engine is None:
+            raise AttributeError("the engine runs in its own process; start the server with --no-engine-process")
+        return engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.server.tokenizer
+
+    @property
+    def info(self) -> EngineInfo:
+        return self.server.info
+
+    @property
+    def core_pid(self) -> int:
+        return self.server.async_engine.pid
 
     def url(self, path: str) -> str:
         return self.base_url + path

@@ -166,7 +166,8 @@ def test_server_exports_swap_metrics():
 
     flags = ["--policy", "skip-join-mlfq", "--preemption", "reactive-swap", "--kv-cache-blocks", "14",
              "--host-kv-blocks", "64", "--max-batch-size", "4", "--starvation-limit-s", "0.01",
-             "--eviction-amortization", "0", "--api-key", "k", "--no-enable-prefix-caching"]
+             "--eviction-amortization", "0", "--api-key", "k", "--no-enable-prefix-caching",
+             "--no-engine-process"]  # compares with the scheduler's own stats
     with start_server(*flags) as srv:
         client = openai.OpenAI(base_url=srv.url("/v1"), api_key="k")
         from concurrent.futures import ThreadPoolExecutor

@@ -34,7 +34,7 @@ def aclient(srv: RunningServer) -> openai.AsyncOpenAI:
 
 
 def n_tokens(srv: RunningServer, text: str) -> int:
-    return len(srv.engine.tokenizer(text)["input_ids"])
+    return len(srv.tokenizer(text)["input_ids"])
 
 
 # ---- health, models, metrics ------------------------------------------------------------------
@@ -96,7 +96,7 @@ def test_completion_default_max_tokens_is_16(client: openai.OpenAI) -> None:
 
 
 def test_completion_token_id_prompt_and_echo(srv: RunningServer, client: openai.OpenAI) -> None:
-    ids = srv.engine.tokenizer(PROMPT)["input_ids"]
+    ids = srv.tokenizer(PROMPT)["input_ids"]
     by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0, echo=True)
     assert by_ids.usage.prompt_tokens == len(ids)
@@ -149,8 +149,8 @@ def test_chat_non_stream_and_stream(srv: RunningServer, client: openai.OpenAI) -
     full = client.chat.completions.create(max_completion_tokens=9, **kw)
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
     assert full.choices[0].finish_reason == "length"
-    rendered = srv.engine.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    assert full.usage.prompt_tokens == len(srv.engine.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    rendered = srv.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert full.usage.prompt_tokens == len(srv.tokenizer(rendered, add_special_tokens=False)["input_ids"])
     assert full.usage.completion_tokens == 9
 
     chunks = list(client.chat.completions.create(max_tokens=9, stream=True, stream_options={"include_usage": True},
@@ -191,7 +191,7 @@ def test_continuous_usage_stats(srv: RunningServer, client: openai.OpenAI, chat:
 def test_chat_default_max_tokens_runs_to_context(srv: RunningServer, client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_body={"ignore_eos": True})
     assert r.choices[0].finish_reason == "length"
-    assert r.usage.total_tokens == srv.engine.max_model_len
+    assert r.usage.total_tokens == srv.info.max_model_len
 
 
 def test_chat_content_parts(client: openai.OpenAI) -> None:
@@ -336,7 +336,8 @@ def test_chat_without_template_is_400() -> None:
 
 def test_scheduling_fields_reach_the_engine() -> None:
     # A priority needs a policy that uses it (other policies refuse it: test_completion_invalid_fields).
-    with start_server("--policy", "priority", "--kv-cache-blocks", "64", "--max-model-len", "256") as srv:
+    with start_server("--policy", "priority", "--kv-cache-blocks", "64", "--max-model-len", "256",
+                      "--no-engine-process") as srv:  # reads the engine's own Request
         client = openai.OpenAI(base_url=srv.url("/v1"), api_key="unused", max_retries=0, timeout=60)
         stream = client.completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=200, stream=True, user="alice",

@@ -132,7 +132,7 @@ class FlakyExecutor:
 
 
 def test_engine_fault_is_500_then_server_recovers_or_reports_dead() -> None:
-    with start_server("--kv-cache-blocks", "32") as srv:
+    with start_server("--kv-cache-blocks", "32", "--no-engine-process") as srv:  # swaps the engine's executor
         flaky = FlakyExecutor(srv.engine.executor)
         srv.engine.executor = flaky  # swapped while idle: the loop reads it at the next step
         c = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0)

@@ -73,7 +73,7 @@ def _floats(lo: float, hi: float) -> st.SearchStrategy[float]:
 def test_fuzz_sampling_controls(srv: RunningServer) -> None:
     """Valid combinations of every sampling control, at and inside their bounds, in batches of
     concurrent requests: each one is answered 200 (never an engine fault that fails the batch)."""
-    vocab = srv.engine.vocab_size
+    vocab = srv.info.vocab_size
     token = st.integers(0, vocab - 1)
     controls = st.fixed_dictionaries({}, optional={
         "temperature": st.one_of(st.just(0.0), _floats(1e-6, 1e4)),

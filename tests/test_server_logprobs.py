@@ -59,7 +59,7 @@ def _close(got: list[float | None], want: list[float]) -> bool:
 
 
 def test_completion_logprobs_equal_transformers(stories: RunningServer, reference) -> None:
-    prompt = stories.engine.tokenizer(PROMPT)["input_ids"]
+    prompt = stories.tokenizer(PROMPT)["input_ids"]
     out, want, _ = reference(prompt, 6)
     r = _client(stories).completions.create(model=str(STORIES), prompt=PROMPT, max_tokens=6, temperature=0,
                                             logprobs=3, echo=True, extra_body={"ignore_eos": True})
@@ -175,15 +175,16 @@ def test_n_with_seed_is_distinct_and_reproducible_under_load(tiny: RunningServer
         r = client.completions.create(model=TINY, prompt=LONG_PROMPT, max_tokens=12, n=3, seed=42, temperature=1.0)
         assert sorted(c.index for c in r.choices) == [0, 1, 2]
         # The prompt is counted once, every choice's tokens are.
-        assert r.usage.prompt_tokens == len(tiny.engine.tokenizer(LONG_PROMPT)["input_ids"])
+        assert r.usage.prompt_tokens == len(tiny.tokenizer(LONG_PROMPT)["input_ids"])
         assert 3 <= r.usage.completion_tokens <= 36
         return [c.text for c in sorted(r.choices, key=lambda c: c.index)]
 
-    stats = tiny.engine.scheduler.stats
-    hits = stats.prefix_cache_device_hits
+    hits = 'tokenslice:prefix_cache_hits_total{model_name="builtin:tiny",tier="device"}'
+    before = wait_idle(tiny).get(hits, 0.0)
     alone = three()
     assert len(set(alone)) == 3
-    assert stats.prefix_cache_device_hits - hits == 2 * 32  # siblings attached the first one's two full blocks
+    # The siblings attached the first one's two full prompt blocks instead of computing them.
+    assert wait_idle(tiny)[hits] - before == 2 * 32
     stop = threading.Event()
     load = _background_load(tiny, stop)
     try:
@@ -222,7 +223,7 @@ def test_prompt_list_times_n(tiny: RunningServer) -> None:
         alone = client.completions.create(model=TINY, prompt=p, max_tokens=4, temperature=0,
                                           extra_body={"ignore_eos": True})
         assert r.choices[2 * i].text == r.choices[2 * i + 1].text == alone.choices[0].text
-    tok = tiny.engine.tokenizer
+    tok = tiny.tokenizer
     assert r.usage.prompt_tokens == sum(len(tok(p)["input_ids"]) for p in prompts)
     assert r.usage.completion_tokens == 16
     ids = client.completions.create(model=TINY, prompt=[tok(p)["input_ids"] for p in prompts], max_tokens=4,
@@ -275,3 +276,11 @@ def test_chat_bounds(tiny: RunningServer, body: dict, param: str) -> None:
     r = httpx.post(tiny.url("/v1/chat/completions"),
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2} | body, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_top_k_past_the_vocabulary_is_off(tiny: RunningServer) -> None:
+    # Found by the schema fuzzer: a top_k past 64 bits must not break the engine-core message.
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = httpx.post(tiny.url("/v1/completions"), json=body, timeout=60).json()["choices"][0]["text"]
+    r = httpx.post(tiny.url("/v1/completions"), json=body | {"top_k": 421902607005053747200}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == plain

@@ -41,7 +41,7 @@ def complete(client: openai.OpenAI, max_tokens: int = 30, **extra: object) -> op
 
 def output_ids(srv: RunningServer, text: str) -> list[int]:
     """The token ids of a greedy continuation of PROMPT (SentencePiece keeps them stable here)."""
-    tok = srv.engine.tokenizer
+    tok = srv.tokenizer
     prompt = tok(PROMPT)["input_ids"]
     full = tok(PROMPT + text)["input_ids"]
     assert full[:len(prompt)] == prompt
@@ -54,7 +54,7 @@ def test_logit_bias_bans_and_forces(srv: RunningServer, client: openai.OpenAI) -
     banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=30, temperature=0,
                                        logit_bias={str(first): -100}).choices[0].text
     assert banned != base and output_ids(srv, banned)[0] != first
-    comma = srv.engine.tokenizer.convert_tokens_to_ids(",")
+    comma = srv.tokenizer.convert_tokens_to_ids(",")
     forced = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
                                        logit_bias={str(comma): 100})
     assert forced.choices[0].text == ",,,," and forced.usage.completion_tokens == 4
@@ -95,7 +95,7 @@ def test_stop_token_ids_and_include_stop_str(srv: RunningServer, client: openai.
 
 
 def test_skip_special_tokens(srv: RunningServer, client: openai.OpenAI) -> None:
-    bos = srv.engine.tokenizer.bos_token_id
+    bos = srv.tokenizer.bos_token_id
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(bos): 100})
     assert client.completions.create(**kw).choices[0].text == ""
     shown = client.completions.create(**kw, extra_body={"skip_special_tokens": False})
@@ -116,7 +116,7 @@ def test_streamed_text_matches(client: openai.OpenAI) -> None:
 
 def test_chat_accepts_the_controls(chat_srv: RunningServer) -> None:
     c = openai.OpenAI(base_url=chat_srv.url("/v1"), api_key="x", max_retries=0, timeout=60)
-    tok = chat_srv.engine.tokenizer.convert_tokens_to_ids("a")
+    tok = chat_srv.tokenizer.convert_tokens_to_ids("a")
     msgs = [{"role": "user", "content": "Hi!"}]
     r = c.chat.completions.create(model="builtin:tiny", messages=msgs, max_tokens=3, temperature=0,
                                   logit_bias={str(tok): 100}, presence_penalty=0.1, frequency_penalty=0.1,
@@ -222,7 +222,7 @@ def test_invalid_controls_are_400(srv: RunningServer, extra: dict, param: str) -
 
 
 def test_max_tokens_beyond_the_context_is_400(srv: RunningServer, client: openai.OpenAI) -> None:
-    n_prompt = len(srv.engine.tokenizer(PROMPT)["input_ids"])
+    n_prompt = len(srv.tokenizer(PROMPT)["input_ids"])
     room = MAX_MODEL_LEN - n_prompt
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=room + 1)

@@ -32,7 +32,7 @@ def test_model_by_id(srv: RunningServer) -> None:
 
 
 def test_tokenize_prompt_matches_the_tokenizer(srv: RunningServer) -> None:
-    tok = srv.engine.tokenizer
+    tok = srv.tokenizer
     r = httpx.post(srv.url("/tokenize"), json={"model": MODEL, "prompt": "Once upon a time"})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -43,7 +43,7 @@ def test_tokenize_prompt_matches_the_tokenizer(srv: RunningServer) -> None:
 
 
 def test_tokenize_messages_is_what_chat_feeds_the_engine(srv: RunningServer) -> None:
-    tok = srv.engine.tokenizer
+    tok = srv.tokenizer
     for gen in (True, False):
         text = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=gen)
         r = httpx.post(srv.url("/tokenize"), json={"messages": MESSAGES, "add_generation_prompt": gen})
@@ -65,11 +65,11 @@ def test_tokenize_bad_bodies_are_400(srv: RunningServer, body: dict, param: str)
 
 
 def test_detokenize_round_trip_and_out_of_vocabulary(srv: RunningServer) -> None:
-    tok = srv.engine.tokenizer
+    tok = srv.tokenizer
     ids = tok("Once upon a time", add_special_tokens=False)["input_ids"]
     r = httpx.post(srv.url("/detokenize"), json={"model": MODEL, "tokens": ids})
     assert r.status_code == 200 and r.json() == {"prompt": tok.decode(ids)}
-    for bad in ([srv.engine.vocab_size], [-1], [0, 10**30]):
+    for bad in ([srv.info.vocab_size], [-1], [0, 10**30]):
         r = httpx.post(srv.url("/detokenize"), json={"tokens": bad})
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"] == "tokens"

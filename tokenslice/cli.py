@@ -12,9 +12,10 @@ import sys
 import typing
 from typing import Any
 
-from tokenslice.config import EMBED_DTYPES, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenslice.config import EMBED_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenslice.request import SamplingParams
 from tokenslice.sched.registry import POLICY_NAMES
+from tokenslice.server.settings import ServerSettings
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -41,10 +42,11 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def add_field_flag(p: Any, cls: type, name: str, **kwargs: Any) -> argparse.Action:
+def add_field_flag(p: Any, cls: type, name: str, *aliases: str, **kwargs: Any) -> argparse.Action:
     """Add `--name` (kebab case) for the field `name` of the dataclass `cls` (DESIGN.md: flags are
-    config field names): its default, type and choices come from the field, so none is written
-    twice. `kwargs` go to argparse (help, metavar, required, ...) and win over the field's."""
+    config field names), and short `aliases` (e.g. "-tp"): its default, type and choices come
+    from the field, so none is written twice. `kwargs` go to argparse (help, metavar, required,
+    ...) and win over the field's."""
     f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
     if f is None:
         raise AttributeError(f"{cls.__name__} has no field {name!r}")
@@ -60,7 +62,7 @@ def add_field_flag(p: Any, cls: type, name: str, **kwargs: Any) -> argparse.Acti
         kwargs.setdefault("type", kind)
     if "choices" in f.metadata:
         kwargs.setdefault("choices", list(f.metadata["choices"]))
-    return p.add_argument("--" + name.replace("_", "-"), **kwargs)
+    return p.add_argument("--" + name.replace("_", "-"), *aliases, **kwargs)
 
 
 def policy_list(text: str) -> list[str]:
@@ -96,6 +98,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(CacheConfig, "block_groups", action=argparse.BooleanOptionalAction,
          help="swap modes: place a request's KV in few contiguous runs, so a swap is few copies "
               "(FastSwitch); off: one copy per block as vLLM")
+    add_field_flag(p, ParallelConfig, "tensor_parallel_size", "-tp",
+                   help="split the model over this many ranks (Megatron-style tensor parallelism)")
+    flag(ParallelConfig, "executor", help="where the model runs: mp = one worker process per rank "
+                                          "(auto: mp with several ranks, else in this process)")
     flag(SchedulerConfig, "policy", choices=list(POLICY_NAMES))
     flag(SchedulerConfig, "preemption")
     flag(SchedulerConfig, "swap_in",
@@ -174,27 +180,59 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def serve_app_from_args(a: argparse.Namespace) -> Any:
-    """The FastAPI app `serve` runs (tests start it the same way)."""
-    from tokenslice.engine.engine import Engine
-    from tokenslice.server.app import ServerSettings, create_app
+    """The FastAPI app `serve` runs (tests start it the same way). With --engine-process (the
+    default) the engine core starts here, in its own process, and is ready when this returns."""
+    from tokenslice.server.app import create_app
+    from tokenslice.server.settings import ServerSettings
 
     if a.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
     if a.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {a.max_body_bytes}")
-    engine = Engine.from_config(engine_config_from_args(a))
     settings = ServerSettings(served_model_name=a.served_model_name or a.model, api_key=a.api_key or None,
-                              max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes)
+                              max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes,
+                              engine_process=a.engine_process)
+    config = engine_config_from_args(a)
+    engine: Any
+    if settings.engine_process:
+        from tokenslice.engine.core_client import EngineCoreClient
+
+        engine = EngineCoreClient(config, max_waiting=settings.max_waiting,
+                                  log_level=logging.getLogger().getEffectiveLevel())
+    else:
+        from tokenslice.engine.async_engine import AsyncEngine
+        from tokenslice.engine.engine import Engine
+
+        engine = AsyncEngine(Engine.from_config(config), max_waiting=settings.max_waiting)
     return create_app(engine, settings)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
-    app = serve_app_from_args(a)
+    from tokenslice.engine.core_client import EngineStartupError
+
+    try:
+        app = serve_app_from_args(a)
+    except EngineStartupError as e:  # as main() answers the same errors raised in this process
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # Our own log line per request replaces uvicorn's access log (which would add nothing).
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level.lower(), access_log=False,
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level.lower(),
+                                           access_log=False, timeout_graceful_shutdown=5))
+    died = False
+
+    def on_dead() -> None:
+        # A dead engine cannot come back: stop, and exit non-zero so that a supervisor restarts us.
+        nonlocal died
+        died = True
+        server.should_exit = True
+
+    app.state.server.async_engine.on_dead = on_dead
+    server.run()
+    if died:
+        print("error: the engine died; the server stopped", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -623,9 +661,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENSLICE_API_KEY); "
                         "/health and /metrics stay open")
     s.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
-    s.add_argument("--max-waiting", type=int, default=1024,
+    add_field_flag(s, ServerSettings, "max_waiting",
                    help="requests allowed to wait for their first token; more get 429 with Retry-After")
-    s.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    add_field_flag(s, ServerSettings, "max_body_bytes", help="larger request bodies get 413")
+    add_field_flag(s, ServerSettings, "engine_process", action=argparse.BooleanOptionalAction,
+                   help="run the engine core in its own process, the default (HTTP work then never holds its "
+                        "interpreter lock); --no-engine-process: on a thread of the server process")
     s.set_defaults(func=cmd_serve)
     add_simulation_subcommands(sub)
     add_bench_subcommand(sub)

@@ -16,6 +16,9 @@ SWAP_IN_MODES = ("mode", "sync", "async", "adaptive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # model weights and device KV
 OFFLOAD_DTYPES = ("auto", "int8")  # host KV: as on device, or per-channel int8 (ALISE §3.2)
 EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
+# Where the model runs: auto (uni for one rank, mp for several), uni (in the engine's process),
+# mp (one worker process per tensor-parallel rank, exec/multiproc.py).
+EXECUTORS = ("auto", "uni", "mp")
 
 
 def field_from(cls: type, name: str, **changes: Any) -> Any:
@@ -189,6 +192,20 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    executor: str = field(default="auto", metadata={"choices": EXECUTORS})
+
+    def validate(self) -> None:
+        _check_choice("executor", self.executor, EXECUTORS)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.executor == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"executor uni runs one rank; tensor_parallel_size {self.tensor_parallel_size} "
+                             "needs executor mp (or auto)")
+
+    @property
+    def multiproc(self) -> bool:
+        """Whether the model runs in worker processes (executor mp, or auto with several ranks)."""
+        return self.executor == "mp" or (self.executor == "auto" and self.tensor_parallel_size > 1)
 
 
 @dataclass
@@ -205,6 +222,7 @@ class EngineConfig:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.parallel.validate()
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ class LLM:
     - scheduler: policy, preemption, max_batch_size, max_tokens_per_step, mlfq_quantum_ratio,
       mlfq_num_queues, starvation_limit_s, slo_normalized_latency, burst_reserve_jobs,
       burst_reserve_queues, eviction_amortization, srpt_aging, length_predictor;
-    - parallel: tensor_parallel_size, pipeline_parallel_size;
+    - parallel: tensor_parallel_size, pipeline_parallel_size, executor (auto | uni | mp);
     - profile: the policies' cost model (model@hardware or a `tokenslice profile` JSON).
 
     An unknown keyword raises TypeError.

@@ -16,6 +16,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from tokenslice.engine.engine import Engine
 from tokenslice.sched.stats import SchedulerStats
@@ -55,6 +56,21 @@ class EngineStats:
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)  # a copy, frozen with the rest
     num_steps: int = 0
     num_faults: int = 0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the API server needs to know of the engine it fronts; fixed once the engine is built."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    uses_priority: bool  # the policy reads Request.priority (others refuse a non-zero one)
+
+
+def engine_info(engine: Engine) -> EngineInfo:
+    return EngineInfo(engine.model_name, engine.max_model_len, engine.vocab_size,
+                      engine.scheduler.policy.uses_priority)
 
 
 def read_stats(engine: Engine, num_faults: int = 0) -> EngineStats:
@@ -135,21 +151,111 @@ class _LoopState:
 OutputObserver = Callable[[RequestOutput], None]
 
 
-class AsyncEngine:
-    def __init__(self, engine: Engine, *, max_waiting: int = 1024,
-                 observer: OutputObserver | None = None) -> None:
+class EngineClient(Protocol):
+    """What the API server drives: AsyncEngine (the engine on a thread of this process) or
+    EngineCoreClient (engine/core_client.py: the engine in a process of its own)."""
+
+    info: EngineInfo
+    tokenizer: Any
+    stats: EngineStats
+    observer: OutputObserver | None  # sees every output the engine produces (metrics)
+    on_dead: Callable[[], None] | None  # called once, in the event loop, if the engine dies
+
+    @property
+    def is_alive(self) -> bool: ...
+
+    @property
+    def num_queued(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def add_request(self, request: EngineRequest) -> RequestStream: ...
+
+    def abort(self, stream: RequestStream) -> None: ...
+
+    async def set_priority(self, request_id: str, priority: int) -> bool: ...
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]: ...
+
+
+class StreamAdmission:
+    """The event-loop side both engine clients share: the bound on admitted requests still
+    waiting for their first output (max_waiting; more are refused for a 429), and handing
+    results to streams."""
+
+    def __init__(self, max_waiting: int) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
-        self.engine = engine
         self.max_waiting = max_waiting
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._num_queued = 0  # admitted requests without a first output yet
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    def abort(self, stream: RequestStream) -> None:
+        raise NotImplementedError
+
+    def _new_stream(self, request_id: str) -> RequestStream:
+        """A stream for a request about to be handed to the engine; raises EngineOverloadedError."""
+        if self._loop is None:
+            raise EngineDeadError("the engine client was never started")
+        if self._num_queued >= self.max_waiting:
+            raise EngineOverloadedError(f"{self._num_queued} requests are already waiting")
+        return RequestStream(request_id, self._loop)
+
+    async def _accepted(self, stream: RequestStream) -> RequestStream:
+        """Count a handed-over request as waiting and return its stream once the engine accepted it."""
+        self._num_queued += 1
+        try:
+            await stream.accepted
+        except asyncio.CancelledError:
+            self.abort(stream)  # the client went away while the request was being queued
+            raise
+        return stream
+
+    def _unqueue(self, stream: RequestStream) -> None:
+        if stream.queued:
+            stream.queued = False
+            self._num_queued -= 1
+
+    def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
+        """The engine's answer to an add: accepted, or refused with `error`."""
+        if error is not None:
+            self._unqueue(stream)
+        if not stream.accepted.done():  # done already if the handler was cancelled
+            if error is None:
+                stream.accepted.set_result(None)
+            else:
+                stream.accepted.set_exception(error)
+
+    def _put(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
+        self._unqueue(stream)
+        if not stream.accepted.done():  # failed before the handler heard it was accepted
+            if isinstance(item, BaseException):
+                stream.accepted.set_exception(item)
+                return
+            stream.accepted.set_result(None)
+        stream._queue.put_nowait(item)
+
+
+class AsyncEngine(StreamAdmission):
+    def __init__(self, engine: Engine, *, max_waiting: int = 1024,
+                 observer: OutputObserver | None = None) -> None:
+        super().__init__(max_waiting)
+        self.engine = engine
+        self.info = engine_info(engine)
+        self.tokenizer = engine.tokenizer
         self.observer = observer  # called in the loop thread for every output (metrics)
+        self.on_dead: Callable[[], None] | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._state = _LoopState()
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._alive = False
         self._lock = threading.Lock()  # orders "loop ended" against enqueuing an add
-        self._num_queued = 0  # event-loop side: admitted requests without a first output yet
         self.stats = read_stats(engine)
 
     # ---- lifecycle (event-loop side) --------------------------------------------------------
@@ -161,6 +267,9 @@ class AsyncEngine:
         self._alive = True
         self._thread = threading.Thread(target=self._run, name="tokenslice-engine", daemon=True)
         self._thread.start()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.shutdown)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         if self._thread is None:
@@ -176,31 +285,20 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._alive and self._thread is not None and self._thread.is_alive()
 
-    @property
-    def num_queued(self) -> int:
-        return self._num_queued
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.tokenize(prompt)
 
     # ---- requests (event-loop side) ---------------------------------------------------------
     async def add_request(self, request: EngineRequest) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Raises InvalidRequestError for a
         request the engine refuses, EngineOverloadedError when max_waiting requests already
         wait for their first token, EngineDeadError when the loop is not running."""
-        if self._loop is None:
-            raise EngineDeadError("the engine loop was never started")
-        if self._num_queued >= self.max_waiting:
-            raise EngineOverloadedError(f"{self._num_queued} requests are already waiting")
-        stream = RequestStream(request.request_id, self._loop)
+        stream = self._new_stream(request.request_id)
         with self._lock:
             if not self.is_alive:
                 raise EngineDeadError("the engine loop is not running")
             self._commands.put(_Add(stream, request))
-        self._num_queued += 1
-        try:
-            await stream.accepted
-        except asyncio.CancelledError:
-            self.abort(stream)  # the client went away while the request was being queued
-            raise
-        return stream
+        return await self._accepted(stream)
 
     def abort(self, stream: RequestStream) -> None:
         """Stop a request (its client left); its KV blocks are freed before the next step."""
@@ -222,11 +320,6 @@ class AsyncEngine:
             self._commands.put(_SetPriority(request_id, priority, result))
         return await result
 
-    def _unqueue(self, stream: RequestStream) -> None:
-        if stream.queued:
-            stream.queued = False
-            self._num_queued -= 1
-
     # ---- loop thread -> event loop ----------------------------------------------------------
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
         assert self._loop is not None
@@ -234,15 +327,6 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop is closed: nobody is left to tell
             pass
-
-    def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
-        if error is not None:
-            self._unqueue(stream)
-        if not stream.accepted.done():  # done already if the handler was cancelled
-            if error is None:
-                stream.accepted.set_result(None)
-            else:
-                stream.accepted.set_exception(error)
 
     @staticmethod
     def _resolve(future: asyncio.Future[bool], result: bool | BaseException) -> None:
@@ -255,13 +339,7 @@ class AsyncEngine:
 
     def _deliver(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
         for stream, item in items:
-            self._unqueue(stream)
-            if not stream.accepted.done():  # failed before the handler heard it was accepted
-                if isinstance(item, BaseException):
-                    stream.accepted.set_exception(item)
-                    continue
-                stream.accepted.set_result(None)
-            stream._queue.put_nowait(item)
+            self._put(stream, item)
 
     # ---- the loop (its own thread; the only code that touches the engine) --------------------
     def _run(self) -> None:
@@ -275,6 +353,8 @@ class AsyncEngine:
                 self.stats = read_stats(self.engine, self._state.num_faults)
         except Exception:
             log.exception("engine loop crashed")
+            if self.on_dead is not None:
+                self._call_soon(self.on_dead)
         finally:
             with self._lock:
                 self._alive = False

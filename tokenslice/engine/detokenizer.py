@@ -11,9 +11,29 @@ concatenated stream equals the final text.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from tokenslice.request import SamplingParams
+
 CONTEXT_TOKENS = 5
+
+
+def _decoder(tokenizer: Any, options: dict[str, bool]) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, **options)`, straight from the Rust tokenizer when the Python wrapper
+    would return its text unchanged: the wrapper's argument checks cost several times the decode
+    itself, twice per token of every stream."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another tokenizer library: its own decode
+        TokenizersBackend = None  # noqa: N806
+    cls = type(tokenizer)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and cls.decode is TokenizersBackend.decode and cls._decode is TokenizersBackend._decode
+            and not tokenizer.clean_up_tokenization_spaces and set(options) == {"skip_special_tokens"}):
+        backend, skip = tokenizer.backend_tokenizer, options["skip_special_tokens"]
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids: tokenizer.decode(ids, **options)
 
 
 class IncrementalDetokenizer:
@@ -27,6 +47,7 @@ class IncrementalDetokenizer:
         self._decode_options: dict[str, bool] = {"skip_special_tokens": skip_special_tokens}
         if not spaces_between_special_tokens:
             self._decode_options["spaces_between_special_tokens"] = False
+        self._decode = _decoder(tokenizer, self._decode_options)
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -35,8 +56,18 @@ class IncrementalDetokenizer:
         self._emitted = 0
         self.stopped = False
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, **self._decode_options)
+    @classmethod
+    def for_request(cls, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+        """The detokenizer of a request's output, as its sampling parameters ask."""
+        return cls(tokenizer, prompt_token_ids, params.stop, skip_special_tokens=params.skip_special_tokens,
+                   spaces_between_special_tokens=params.spaces_between_special_tokens,
+                   include_stop_str=params.include_stop_str_in_output)
+
+    def add_step(self, token_ids: list[int], finish_reason: str | None) -> None:
+        """A step's new tokens. One that finished the request with "stop" (EOS, stop_token_ids;
+        a stop string is found in the text instead) stays out of the text unless
+        include_stop_str, as vLLM does."""
+        self.add([] if finish_reason == "stop" and not self.include_stop_str else token_ids)
 
     def add(self, token_ids: list[int], final: bool = False) -> None:
         """Decode new tokens; sets `stopped` if a stop string appeared (text is cut before it).

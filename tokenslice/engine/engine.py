@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from tokenslice.clock import RealClock, VirtualClock
@@ -39,9 +40,65 @@ class StepTimings:
 
 
 class Executor(Protocol):
+    """Runs plans (DESIGN.md, Executor). `submit` hands over a plan and `poll` returns the
+    oldest submitted plan's result, so several plans may be in flight (pipeline parallelism);
+    `execute(plan)` is submit + poll, what the engine loop calls."""
+
+    def submit(self, plan: StepPlan) -> None: ...
+
+    def poll(self) -> StepResult: ...
+
     def execute(self, plan: StepPlan) -> StepResult: ...
 
     def close(self) -> None: ...
+
+
+@dataclass
+class _ModelSide:
+    """The executor Engine.from_config built, and what the rest of the engine needs from it."""
+
+    executor: Executor
+    arch: Any  # model.arch.ArchConfig of the whole model
+    tokenizer: Any
+    name: str
+    max_len: int
+    blocks: int  # device KV blocks (on every rank)
+    host_blocks: int
+    swap_block_bytes: int  # one block on the host tier, whole model (all ranks)
+    runner: Any = None  # model.runner.ModelRunner when the model runs in this process
+
+    @staticmethod
+    def start(config: EngineConfig, swapping: bool) -> _ModelSide:
+        """The model in this process, or in one worker process per tensor-parallel rank."""
+        from tokenslice.model.loader import load_arch, model_tokenizer
+
+        if config.parallel.multiproc:
+            from tokenslice.exec.multiproc import MultiprocExecutor
+            from tokenslice.model.tp import TPShard
+
+            arch = load_arch(config.model)
+            TPShard(arch, 0, config.parallel.tensor_parallel_size)  # refuses a size the heads do not fit
+            limit = arch.max_position_embeddings
+            max_len = min(config.model.max_model_len or limit, limit)
+            tokenizer = model_tokenizer(config.model, arch)
+            mp = MultiprocExecutor(config.model, config.cache, config.parallel.tensor_parallel_size,
+                                   max_model_len=max_len, max_batch_size=config.scheduler.max_batch_size,
+                                   host_tier=swapping)
+            return _ModelSide(mp, arch, tokenizer, str(Path(config.model.model)), max_len, mp.num_blocks,
+                              mp.num_host_blocks, mp.host_block_bytes)
+        from tokenslice.exec.local import LocalExecutor
+        from tokenslice.model.loader import load_model
+        from tokenslice.model.runner import ModelRunner, num_host_kv_blocks, num_kv_blocks
+
+        loaded = load_model(config.model)
+        limit = loaded.arch.max_position_embeddings
+        max_len = min(config.model.max_model_len or limit, limit)
+        blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
+        host_blocks = num_host_kv_blocks(config.cache, loaded) if swapping else 0
+        runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed,
+                             num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype)
+        return _ModelSide(LocalExecutor(runner), loaded.arch, loaded.tokenizer, loaded.name, max_len, blocks,
+                          host_blocks, runner.host_block_bytes, runner)
 
 
 class TraceItem(Protocol):
@@ -65,6 +122,17 @@ class PriorityUpdates(Protocol):
     def initial(self, item: Any) -> int: ...
 
     def at_iteration(self, iteration: int, live_request_ids: list[str]) -> dict[str, int]: ...
+
+
+def tokenize_prompt(tokenizer: Any | None, prompt: str | list[int]) -> list[int]:
+    """A prompt's token ids, as the engine adds them (text gets the tokenizer's special tokens)."""
+    if isinstance(prompt, str):
+        if not prompt:  # checked before tokenizing: a BOS token would hide it
+            raise InvalidRequestError("prompt is empty", "prompt")
+        if tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; send token ids", "prompt")
+        return list(tokenizer(prompt)["input_ids"])
+    return list(prompt)
 
 
 class Engine:
@@ -91,46 +159,46 @@ class Engine:
         # Logprobs computed since a request's last output (sampled token, prompt positions).
         self._logprobs: dict[str, TokenLogprobs] = {}
         self._prompt_logprobs: dict[str, TokenLogprobs] = {}
+        # Off in the engine-core process: the API server detokenizes and applies stop strings there.
+        self.detokenize = True
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        from tokenslice.exec.local import LocalExecutor
-        from tokenslice.model.loader import load_model
-        from tokenslice.model.runner import ModelRunner, num_host_kv_blocks, num_kv_blocks
-
         config.validate()
-        loaded = load_model(config.model)
-        limit = loaded.arch.max_position_embeddings
-        max_len = min(config.model.max_model_len or limit, limit)
-        blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
         swapping = PREEMPTION_STRATEGIES[config.scheduler.preemption].uses_host_tier
-        host_blocks = num_host_kv_blocks(config.cache, loaded) if swapping else 0
-        if swapping and host_blocks == 0:
-            log.warning("preemption %s without host KV space (--swap-space-gb 0): every eviction recomputes",
-                        config.scheduler.preemption)
-        runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed,
-                             num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype)
-        log.info("model %s (%s, %s on %s): %d KV blocks of %d tokens, %d host blocks", loaded.name,
-                 loaded.arch.architecture, loaded.dtype, loaded.device, blocks, config.cache.block_size, host_blocks)
-        # Block groups (FastSwitch §3.1) so a swap is a few large copies.
-        kv = KVManager(config.cache.block_size, blocks, host_blocks, contiguous=swapping and config.cache.block_groups,
-                       prefix_caching=config.cache.enable_prefix_caching)
-        cost = load_cost_model(config.profile) if config.profile else None
-        ctx = PolicyContext(config.scheduler, cost)
-        scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, ctx), kv, ctx,
-                              swap_block_bytes=runner.host_block_bytes)
-        eos = loaded.tokenizer.eos_token_id if loaded.tokenizer.eos_token_id is not None else loaded.arch.eos_token_id
-        eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-        engine = cls(scheduler, LocalExecutor(runner), tokenizer=loaded.tokenizer, clock=RealClock(),
-                     max_model_len=max_len, vocab_size=loaded.arch.vocab_size, eos_token_ids=eos_ids,
-                     model_name=loaded.name)
-        engine.runner = runner
-        if config.scheduler.length_predictor:
-            from tokenslice.predict.length import LengthPredictor
+        side = _ModelSide.start(config, swapping)
+        try:  # the workers must not outlive a failed start
+            blocks, host_blocks = side.blocks, side.host_blocks
+            if swapping and host_blocks == 0:
+                log.warning("preemption %s without host KV space (--swap-space-gb 0): every eviction recomputes",
+                            config.scheduler.preemption)
+            log.info("model %s (%s, tensor-parallel size %d): %d KV blocks of %d tokens, %d host blocks",
+                     side.name, side.arch.architecture, config.parallel.tensor_parallel_size, blocks,
+                     config.cache.block_size, host_blocks)
+            # Block groups (FastSwitch §3.1) so a swap is a few large copies.
+            kv = KVManager(config.cache.block_size, blocks, host_blocks,
+                           contiguous=swapping and config.cache.block_groups,
+                           prefix_caching=config.cache.enable_prefix_caching)
+            cost = load_cost_model(config.profile) if config.profile else None
+            ctx = PolicyContext(config.scheduler, cost)
+            scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, ctx), kv, ctx,
+                                  swap_block_bytes=side.swap_block_bytes)
+            eos = side.tokenizer.eos_token_id if side.tokenizer.eos_token_id is not None else side.arch.eos_token_id
+            eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+            engine = cls(scheduler, side.executor, tokenizer=side.tokenizer, clock=RealClock(),
+                         max_model_len=side.max_len, vocab_size=side.arch.vocab_size, eos_token_ids=eos_ids,
+                         model_name=side.name)
+            if side.runner is not None:  # the model in this process (tests and benchmarks read it)
+                engine.runner = side.runner
+            if config.scheduler.length_predictor:
+                from tokenslice.predict.length import LengthPredictor
 
-            engine.length_predictor = LengthPredictor.load(
-                config.scheduler.length_predictor, store_text=config.scheduler.length_predictor_store_text)
-        return engine
+                engine.length_predictor = LengthPredictor.load(
+                    config.scheduler.length_predictor, store_text=config.scheduler.length_predictor_store_text)
+            return engine
+        except BaseException:
+            side.executor.close()
+            raise
 
     def close(self) -> None:
         """Release executor resources (transfer threads) and the length predictor. Idempotent."""
@@ -177,13 +245,7 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:  # checked before tokenizing: a BOS token would hide it
-                raise InvalidRequestError("prompt is empty", "prompt")
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer; send token ids", "prompt")
-            return list(self.tokenizer(prompt)["input_ids"])
-        return list(prompt)
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
@@ -222,11 +284,8 @@ class Engine:
         if self.length_predictor is not None and self.tokenizer is not None:
             self._predict_length(req, prompt_text)
         self.scheduler.add(req, now)
-        if self.tokenizer is not None:
-            self._detok[req.request_id] = IncrementalDetokenizer(
-                self.tokenizer, ids, params.stop, skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-                include_stop_str=params.include_stop_str_in_output)
+        if self.tokenizer is not None and self.detokenize:
+            self._detok[req.request_id] = IncrementalDetokenizer.for_request(self.tokenizer, ids, params)
         return req
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -310,10 +369,7 @@ class Engine:
             for req in produced:
                 det = self._detok.get(req.request_id)
                 if det is not None:
-                    # Finished with "stop" before any stop string was seen: the token itself
-                    # (EOS, stop_token_ids) stopped it, and stays out of the text unless asked (vLLM).
-                    stop_token = req.finish_reason == "stop" and not req.params.include_stop_str_in_output
-                    det.add([] if stop_token else req.output_token_ids[-1:])
+                    det.add_step(req.output_token_ids[-1:], req.finish_reason)
                     if det.stopped and not req.is_finished:
                         self.scheduler.finish(req.request_id, "stop", now)
         finished = self.scheduler.take_finished()

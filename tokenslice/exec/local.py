@@ -1,15 +1,17 @@
 """LocalExecutor: the model in this process; a plan completes when executed."""
 from __future__ import annotations
 
+from tokenslice.exec.base import ImmediateExecutor
 from tokenslice.model.runner import ModelRunner
 from tokenslice.plan import StepPlan, StepResult
 
 
-class LocalExecutor:
+class LocalExecutor(ImmediateExecutor):
     def __init__(self, runner: ModelRunner) -> None:
+        super().__init__()
         self.runner = runner
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def run(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import heapq
 from typing import Protocol
 
+from tokenslice.exec.base import ImmediateExecutor
 from tokenslice.plan import StepPlan, StepResult, copy_runs
 from tokenslice.predict.cost import BatchShape, CostModel
 from tokenslice.request import Request
@@ -36,10 +37,11 @@ class Clock(Protocol):
     def now(self) -> float: ...
 
 
-class SimulatedExecutor:
+class SimulatedExecutor(ImmediateExecutor):
     token = PLACEHOLDER_TOKEN
 
     def __init__(self, cost: CostModel, clock: Clock | None = None, block_bytes: int = 0) -> None:
+        super().__init__()
         self.cost = cost
         self.clock = clock
         self.block_bytes = block_bytes  # one block as moved over the host link
@@ -76,7 +78,7 @@ class SimulatedExecutor:
     def close(self) -> None:
         pass  # nothing runs in the background
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def run(self, plan: StepPlan) -> StepResult:
         t0 = self.clock.now() if self.clock is not None else 0.0
         out_s, in_s = self.copy_seconds(plan.swap_out), self.copy_seconds(plan.swap_in)
         sync_s = out_s + in_s  # swap-ins may land in blocks the swap-outs free: one after the other

@@ -18,6 +18,7 @@ from tokenslice.model.layers import use_input_major_linears
 from tokenslice.model.builtin import BUILTIN_SEED, BUILTIN_TINY, builtin_config, builtin_tokenizer
 from tokenslice.model.llama import LlamaForCausalLM
 from tokenslice.model.opt import OPTForCausalLM
+from tokenslice.model.tp import TPShard, parallelize
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LoadedModel:
     model: nn.Module
     arch: ArchConfig
-    tokenizer: Any  # a transformers tokenizer
+    tokenizer: Any  # a transformers tokenizer (None if not loaded)
     dtype: torch.dtype
     device: torch.device
     name: str
@@ -42,6 +43,12 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} requested but CUDA is not available")
     return torch.device(name)
+
+
+def rank_device(name: str, rank: int) -> torch.device:
+    """A tensor-parallel rank's device: its own GPU, cuda:rank, on CUDA; else the device."""
+    device = resolve_device(name)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
 def resolve_dtype(name: str, arch: ArchConfig, device: torch.device) -> torch.dtype:
@@ -60,24 +67,10 @@ def build_model(arch: ArchConfig) -> nn.Module:
     return OPTForCausalLM(arch) if arch.family == "opt" else LlamaForCausalLM(arch)
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
-    device = resolve_device(cfg.device)
+def load_arch(cfg: ModelConfig) -> ArchConfig:
+    """The checkpoint's config.json (or the built-in model's), without its weights."""
     if cfg.model == BUILTIN_TINY:
-        arch = parse_config(builtin_config(), BUILTIN_TINY)
-        dtype = resolve_dtype(cfg.dtype, arch, device)
-        gen = torch.Generator().manual_seed(BUILTIN_SEED)
-        with torch.device("meta"):
-            model = build_model(arch)
-        model = model.to_empty(device="cpu")
-        model.tie_weights()
-        for name, p in model.named_parameters():
-            with torch.no_grad():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
-        _rebuild_buffers(model, arch)
-        return LoadedModel(_finalize(model, device, dtype), arch, builtin_tokenizer(), dtype, device, BUILTIN_TINY)
+        return parse_config(builtin_config(), BUILTIN_TINY)
     path = Path(cfg.model)
     if not path.exists():
         raise ModelLoadError(f"model path {str(path)!r} does not exist (a local directory or {BUILTIN_TINY!r})")
@@ -90,17 +83,55 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_file}: not valid JSON ({e})") from None
-    arch = parse_config(raw, str(cfg_file))
+    return parse_config(raw, str(cfg_file))
+
+
+def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True) -> LoadedModel:
+    """The model on its device, and its tokenizer unless `with_tokenizer` is False (seconds of
+    imports that a worker process does without). With tp_size > 1, rank `rank`'s share of it
+    (model/tp.py): only its slices of the weights are read, the result's `arch` is the share's
+    (its heads, hence its KV partition), and on CUDA it lives on cuda:rank."""
+    arch = load_arch(cfg)
+    shard = TPShard(arch, rank, tp_size) if tp_size > 1 else None
+    device = rank_device(cfg.device, rank) if shard is not None else resolve_device(cfg.device)
+    local = shard.local_arch if shard is not None else arch
     dtype = resolve_dtype(cfg.dtype, arch, device)
+    with torch.device("meta"):
+        model = build_model(local)
+    model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives each parameter fresh storage, which unties them
+    if cfg.model == BUILTIN_TINY:
+        _copy_weights(model, _builtin_weights(arch), shard)
+    else:
+        _load_weights(model, arch, Path(cfg.model), shard)
+    tokenizer = model_tokenizer(cfg, arch) if with_tokenizer else None
+    _rebuild_buffers(model, local)
+    if shard is not None:
+        parallelize(model, shard)
+    return LoadedModel(_finalize(model, device, dtype), local, tokenizer, dtype, device, str(Path(cfg.model)))
+
+
+def _builtin_weights(arch: ArchConfig) -> nn.Module:
+    """The built-in model's deterministic random weights, whole."""
+    gen = torch.Generator().manual_seed(BUILTIN_SEED)
     with torch.device("meta"):
         model = build_model(arch)
     model = model.to_empty(device="cpu")
-    model.tie_weights()  # to_empty gives each parameter fresh storage, which unties them
-    _load_weights(model, arch, path)
-    _rebuild_buffers(model, arch)
-    tokenizer = load_tokenizer(cfg.tokenizer or str(path))
-    check_vocab(tokenizer, arch, cfg.tokenizer or str(path), str(path))
-    return LoadedModel(_finalize(model, device, dtype), arch, tokenizer, dtype, device, str(path))
+    model.tie_weights()
+    for name, p in model.named_parameters():
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
+    return model
+
+
+def _copy_weights(model: nn.Module, source: nn.Module, shard: TPShard | None) -> None:
+    full = dict(source.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(shard.read(name, full[name], tuple(p.shape)) if shard is not None else full[name])
 
 
 def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -112,6 +143,15 @@ def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.
         tied = {id(model.lm_head.weight)} if model.arch.tie_word_embeddings else set()
         use_input_major_linears(model, tied)
     return model
+
+
+def model_tokenizer(cfg: ModelConfig, arch: ArchConfig) -> Any:
+    """The model's tokenizer (--tokenizer, else the model directory's), checked against its vocabulary."""
+    source = cfg.tokenizer or str(Path(cfg.model))
+    tokenizer = load_tokenizer(source)
+    if cfg.model != BUILTIN_TINY:
+        check_vocab(tokenizer, arch, source, str(Path(cfg.model)))
+    return tokenizer
 
 
 def load_tokenizer(path: str) -> Any:
@@ -159,8 +199,13 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_weights(model: nn.Module, arch: ArchConfig, path: Path) -> None:
+def _load_weights(model: nn.Module, arch: ArchConfig, path: Path, shard: TPShard | None = None) -> None:
     params = dict(model.named_parameters())
+    if shard is None:
+        full_shapes = {n: tuple(p.shape) for n, p in params.items()}
+    else:  # check the checkpoint against the whole model's shapes, then read the shard's part
+        with torch.device("meta"):
+            full_shapes = {n: tuple(p.shape) for n, p in build_model(arch).named_parameters()}
     loaded: set[str] = set()
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -170,10 +215,12 @@ def _load_weights(model: nn.Module, arch: ArchConfig, path: Path) -> None:
                     if not key.endswith(IGNORED_SUFFIXES):
                         log.warning("%s: ignoring unexpected tensor %s", file, key)
                     continue
-                tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != tuple(params[name].shape):
-                    raise ModelLoadError(f"{file}: tensor {key} has shape {tuple(tensor.shape)}, "
-                                         f"the config implies {tuple(params[name].shape)}")
+                part = f.get_slice(key)
+                if tuple(part.get_shape()) != full_shapes[name]:
+                    raise ModelLoadError(f"{file}: tensor {key} has shape {tuple(part.get_shape())}, "
+                                         f"the config implies {full_shapes[name]}")
+                want = tuple(params[name].shape)
+                tensor = part[:] if shard is None else shard.read(name, part, want)
                 with torch.no_grad():
                     params[name].copy_(tensor)
                 loaded.add(name)

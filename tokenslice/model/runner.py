@@ -41,13 +41,15 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_kv_blocks(cache: CacheConfig, loaded: LoadedModel, max_model_len: int, max_batch_size: int) -> int:
+def num_kv_blocks(cache: CacheConfig, loaded: LoadedModel, max_model_len: int, max_batch_size: int,
+                  ranks: int = 1) -> int:
     """Explicit --kv-cache-blocks wins; otherwise a fraction of free memory, but never more than
-    a full batch of full-length requests could use."""
+    a full batch of full-length requests could use. `ranks`: tensor-parallel ranks whose KV
+    partitions (`loaded` is one) share this device's memory."""
     if cache.kv_cache_blocks is not None:
         return cache.kv_cache_blocks
     elem = torch.finfo(loaded.dtype).bits // 8
-    block_bytes = cache.block_size * loaded.arch.kv_bytes_per_token // 4 * elem
+    block_bytes = cache.block_size * loaded.arch.kv_bytes_per_token // 4 * elem * ranks
     by_memory = int(available_memory_bytes(loaded.device) * cache.kv_memory_fraction) // block_bytes
     by_need = max_batch_size * -(-max_model_len // cache.block_size)
     return max(1, min(by_memory, by_need))
@@ -60,15 +62,16 @@ def host_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, offl
     return block_size * arch.kv_bytes_per_token // 4 * (torch.finfo(dtype).bits // 8)
 
 
-def num_host_kv_blocks(cache: CacheConfig, loaded: LoadedModel) -> int:
+def num_host_kv_blocks(cache: CacheConfig, loaded: LoadedModel, ranks: int = 1) -> int:
     """Host-tier blocks: an explicit `host_kv_blocks` wins, else --swap-space-gb (GiB, as vLLM)
-    divided by the host block size in the offload dtype."""
+    divided by the host block size in the offload dtype. With `ranks` tensor-parallel ranks
+    (`loaded` is one's partition) the GiB hold all their partitions of each block."""
     explicit = getattr(cache, "host_kv_blocks", None)
     if explicit is not None:
         return int(explicit)
     if cache.swap_space_gb <= 0:
         return 0
-    per_block = host_block_bytes(loaded.arch, cache.block_size, loaded.dtype, cache.offload_dtype)
+    per_block = host_block_bytes(loaded.arch, cache.block_size, loaded.dtype, cache.offload_dtype) * ranks
     return int(cache.swap_space_gb * (1 << 30)) // per_block
 
 

@@ -1,6 +1,17 @@
-"""OpenAI-compatible HTTP server: `create_app(engine, ServerSettings(...))` (DESIGN.md, server/)."""
+"""OpenAI-compatible HTTP server: `create_app(engine_client, ServerSettings(...))` (DESIGN.md, server/).
+
+Names load on first use (PEP 562), so reading `tokenslice.server.settings` does not import FastAPI."""
 from __future__ import annotations
 
-from tokenslice.server.app import ServerSettings, create_app
+import importlib
+from typing import Any
 
 __all__ = ["ServerSettings", "create_app"]
+_MODULE_OF = {"ServerSettings": "tokenslice.server.settings", "create_app": "tokenslice.server.app"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tokenslice.server' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,4 +1,4 @@
-"""FastAPI app: OpenAI-compatible routes over an AsyncEngine (DESIGN.md, Data flow).
+"""FastAPI app: OpenAI-compatible routes over an engine client (DESIGN.md, Data flow).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/requests/{id}/priority,
 GET /v1/models[/{id}], POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version,
@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hmac
 import importlib.metadata
+import json
 import logging
 import os
 import time
@@ -34,9 +35,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenslice.engine.async_engine import (AsyncEngine, EngineDeadError, EngineFaultError,
+from tokenslice.engine.async_engine import (EngineClient, EngineDeadError, EngineFaultError, EngineInfo,
                                             EngineOverloadedError, RequestStream)
-from tokenslice.engine.engine import Engine
 from tokenslice.request import (MAX_LOGIT_BIAS, EngineRequest, InvalidRequestError, RequestOutput, SamplingParams,
                                 TokenLogprobs)
 from tokenslice.server.choices import Choice, best_of, merged, sibling_seed
@@ -51,6 +51,7 @@ from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCom
                                         ErrorResponse, ModelCard, ModelList, PriorityResponse, PriorityUpdate,
                                         SamplingFields, TokenizeRequest, TokenizeResponse, UsageInfo,
                                         VersionResponse)
+from tokenslice.server.settings import ServerSettings
 
 log = logging.getLogger("tokenslice.server")
 
@@ -73,15 +74,6 @@ def package_version() -> str:
         return importlib.metadata.version("tokenslice")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return "0+unknown"
-
-
-@dataclass
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    max_waiting: int = 1024  # requests admitted but without a first token; more get 429
-    max_body_bytes: int = 4 * 1024 * 1024
-    retry_after_s: int = 1
 
 
 class APIError(Exception):
@@ -279,6 +271,24 @@ def _sse(payload: str) -> str:
 
 
 _DONE = "data: [DONE]\n\n"
+_TEXT_MARK = "tokenslice-text-mark"
+
+
+class _TextChunk:
+    """SSE events of a stream's chunks that differ only in their text: pydantic renders the chunk
+    once, and each token's text is spliced into that JSON (one string escape per token instead of
+    building and dumping models; the JSON means the same)."""
+
+    def __init__(self, render: Callable[[str], str]) -> None:
+        self.render = render
+        page, mark = render(_TEXT_MARK), json.dumps(_TEXT_MARK)
+        head, _, tail = page.partition(mark)
+        self.parts = (head, tail) if page.count(mark) == 1 else None
+
+    def __call__(self, text: str) -> str:
+        if self.parts is None:
+            return _sse(self.render(text))
+        return f"data: {self.parts[0]}{json.dumps(text, ensure_ascii=False)}{self.parts[1]}\n\n"
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -295,12 +305,13 @@ class _ClientGone(Exception):
 
 # ---- the server ---------------------------------------------------------------------------------
 class Server:
-    """Request handling shared by the routes; holds the AsyncEngine and the metrics."""
+    """Request handling shared by the routes; holds the engine client and the metrics."""
 
-    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
-        self.engine = engine
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
         self.settings = settings
-        self.async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting)
+        self.async_engine = engine
+        self.info = engine.info
+        self.tokenizer = engine.tokenizer
         self.metrics = ServerMetrics(settings.served_model_name, lambda: self.async_engine.stats,
                                      lambda: self.async_engine.num_queued)
         self.async_engine.observer = self.metrics.observe
@@ -338,15 +349,17 @@ class Server:
             raise APIError(400, str(e), param=e.param) from None
         # No request can outgrow the context, so larger limits mean the same; clamping keeps
         # absurd JSON integers out of the policies' arithmetic.
-        cap = self.engine.max_model_len
+        cap = self.info.max_model_len
         params.max_tokens = min(params.max_tokens, cap)
         params.min_tokens = min(params.min_tokens, cap)
+        # top_k at or past the vocabulary keeps every token; clamped, it also fits the core's 64-bit messages.
+        params.top_k = min(params.top_k, self.info.vocab_size)
         return params
 
     def check_room(self, ids: list[int], max_tokens: int | None, param: str) -> None:
         """An explicit output limit must fit the context after the prompt, as vLLM checks it; a
         prompt that leaves no room at all is the engine's error (param "prompt")."""
-        limit = self.engine.max_model_len
+        limit = self.info.max_model_len
         if max_tokens is not None and len(ids) < limit and len(ids) + max_tokens > limit:
             raise APIError(400, f"this model's context is {limit} tokens, but {len(ids) + max_tokens} were requested "
                                 f"({len(ids)} in the prompt, {max_tokens} for the completion); lower {param} to at "
@@ -359,32 +372,32 @@ class Server:
         Tokenizing a body-limit-sized prompt takes seconds of CPU; this refuses hopeless ones
         first. No token spells more characters than its longest vocabulary entry; the factor 4
         leaves room for normalizers that merge characters."""
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if tok is None:
             return None
         longest = max((len(t) for t in tok.get_vocab()), default=1)
-        return self.engine.max_model_len * max(1, longest) * 4
+        return self.info.max_model_len * max(1, longest) * 4
 
     def _check_length(self, text: str, param: str) -> None:
         limit = self.max_prompt_chars
         if limit is not None and len(text) > limit:
             raise APIError(400, f"{param} has {len(text)} characters, more than this model's context of "
-                                f"{self.engine.max_model_len} tokens can hold", param=param)
+                                f"{self.info.max_model_len} tokens can hold", param=param)
 
     def tokenize_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         self._check_length(prompt, "prompt")
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if not add_special_tokens and tok is not None:  # /tokenize only: the engine always adds them
             return list(tok(prompt, add_special_tokens=False)["input_ids"])
         try:
-            return self.engine.tokenize(prompt)
+            return self.async_engine.tokenize(prompt)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     add_special_tokens: bool = False) -> list[int]:
         """Messages -> token ids through the model's chat template."""
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, f"model {self.settings.served_model_name!r} has no chat template, so it cannot "
                                 "serve /v1/chat/completions; use /v1/completions with a plain prompt",
@@ -540,7 +553,7 @@ class Server:
     def echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
         if isinstance(prompt, str):
             return prompt
-        return self.engine.tokenizer.decode(ids) if self.engine.tokenizer else ""  # accepted ids decode
+        return self.tokenizer.decode(ids) if self.tokenizer else ""  # accepted ids decode
 
     # ---- routes ----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -554,15 +567,23 @@ class Server:
             self.check_room(one, body.max_tokens, "max_tokens")
         choices = await self.submit_choices(track, ids, params, copies, body)
         model, created = self.settings.served_model_name, int(time.time())
-        texts = TokenTexts(self.engine.tokenizer)
+        texts = TokenTexts(self.tokenizer)
 
         if body.stream:
             include_usage, continuous = _usage_options(body)
 
-            def chunk(k: int, text: str, finish: str | None, logprobs: CompletionLogprobs | None = None) -> str:
-                return _sse(CompletionChunk(id=track.request_id, created=created, model=model, choices=[
+            def render(k: int, text: str, finish: str | None = None, logprobs: CompletionLogprobs | None = None) -> str:
+                return CompletionChunk(id=track.request_id, created=created, model=model, choices=[
                     CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=finish)],
-                    usage=track.usage if continuous else None).model_dump_json())
+                    usage=track.usage if continuous else None).model_dump_json()
+
+            # Chunks that differ only in their text are spliced into one rendering per choice.
+            text_chunks = None if continuous else [_TextChunk(functools.partial(render, k)) for k in range(len(choices))]
+
+            def chunk(k: int, text: str, finish: str | None, logprobs: CompletionLogprobs | None = None) -> str:
+                if text_chunks and finish is None and logprobs is None:
+                    return text_chunks[k](text)
+                return _sse(render(k, text, finish, logprobs))
 
             async def events() -> AsyncIterator[str]:
                 sent = [0] * len(choices)  # characters of each choice's text sent (text_offset)
@@ -615,11 +636,11 @@ class Server:
         requested = body.max_completion_tokens or body.max_tokens
         self.check_room(ids, requested, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         # Without a limit, a chat reply may use the rest of the context (the engine stops there).
-        params = self.sampling_params(body, requested or max(1, self.engine.max_model_len - len(ids)),
+        params = self.sampling_params(body, requested or max(1, self.info.max_model_len - len(ids)),
                                       (body.top_logprobs or 0) if body.logprobs else None)
         choices = await self.submit_choices(track, [ids], params, body.n, body)
         model, created = self.settings.served_model_name, int(time.time())
-        texts = TokenTexts(self.engine.tokenizer)
+        texts = TokenTexts(self.tokenizer)
 
         def logprobs(c: Choice, new: TokenLogprobs | None) -> ChatLogprobs | None:
             if not body.logprobs or new is None:
@@ -630,10 +651,16 @@ class Server:
         if body.stream:
             include_usage, continuous = _usage_options(body)
 
-            def chunk(k: int, delta: DeltaMessage, finish: str | None = None, lps: ChatLogprobs | None = None) -> str:
-                return _sse(ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[
+            def render(k: int, delta: DeltaMessage, finish: str | None = None, lps: ChatLogprobs | None = None) -> str:
+                return ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[
                     ChatStreamChoice(index=k, delta=delta, logprobs=lps, finish_reason=finish)],
-                    usage=track.usage if continuous else None).model_dump_json())
+                    usage=track.usage if continuous else None).model_dump_json()
+
+            def chunk(k: int, delta: DeltaMessage, finish: str | None = None, lps: ChatLogprobs | None = None) -> str:
+                return _sse(render(k, delta, finish, lps))
+
+            text_chunks = None if continuous else [
+                _TextChunk(lambda text, k=k: render(k, DeltaMessage(content=text))) for k in range(len(choices))]
 
             async def events() -> AsyncIterator[str]:
                 try:
@@ -644,7 +671,9 @@ class Server:
                         c.add(out)
                         track.account(choices)
                         if out.text_delta or out.new_token_ids:  # one chunk per token, as above
-                            yield chunk(k, DeltaMessage(content=out.text_delta), None, logprobs(c, out.logprobs))
+                            lps = logprobs(c, out.logprobs)
+                            yield (text_chunks[k](out.text_delta) if text_chunks and lps is None
+                                   else chunk(k, DeltaMessage(content=out.text_delta), None, lps))
                         if out.finished:
                             yield chunk(k, DeltaMessage(), _finish(out))
                     if include_usage:
@@ -681,7 +710,7 @@ class Server:
         return PriorityResponse(id=request_id, priority=body.priority)
 
     def model_card(self) -> ModelCard:
-        return ModelCard(id=self.settings.served_model_name, max_model_len=self.engine.max_model_len)
+        return ModelCard(id=self.settings.served_model_name, max_model_len=self.info.max_model_len)
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         """vLLM's /tokenize: what the completion and chat routes would feed the engine."""
@@ -694,16 +723,16 @@ class Server:
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await run_in_threadpool(self.tokenize_prompt, body.prompt, special)
-        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+        return TokenizeResponse(count=len(ids), max_model_len=self.info.max_model_len, tokens=ids)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(body.model)
-        tok = self.engine.tokenizer
+        tok = self.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer", param="tokens")
-        bad = next((t for t in body.tokens if not 0 <= t < self.engine.vocab_size), None)
+        bad = next((t for t in body.tokens if not 0 <= t < self.info.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{self.engine.vocab_size - 1})",
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{self.info.vocab_size - 1})",
                            param="tokens")
         return DetokenizeResponse(prompt=await run_in_threadpool(tok.decode, body.tokens))
 
@@ -798,7 +827,7 @@ def _model_name_schema(name: str) -> dict[str, Any]:
     return {"type": "string", "enum": [name]}
 
 
-def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Engine) -> None:
+def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: EngineInfo) -> None:
     """What this server accepts beyond the pydantic types: its model name, token ids in its
     vocabulary, non-empty prompts, and the fields it does not support yet at their off
     values (the handlers answer those with a specific 400)."""
@@ -814,7 +843,7 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
                                              "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
                                                                       "maximum": MAX_LOGIT_BIAS}},
                                             {"type": "null"}])
-        if not engine.scheduler.policy.uses_priority:
+        if not engine.uses_priority:
             _narrow(props["priority"], type="integer", enum=[0])
     comp = comps["CompletionRequest"]["properties"]
     _narrow(comp["prompt"], anyOf=[
@@ -834,7 +863,7 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
             op.get("responses", {}).pop("422", None)  # invalid bodies get 400, as OpenAI answers
 
 
-def _install_openapi(app: FastAPI, settings: ServerSettings, engine: Engine) -> None:
+def _install_openapi(app: FastAPI, settings: ServerSettings, engine: EngineInfo) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
@@ -845,17 +874,19 @@ def _install_openapi(app: FastAPI, settings: ServerSettings, engine: Engine) -> 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
+def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
+    """The app over an engine client: AsyncEngine (in this process) or EngineCoreClient (the
+    engine-core process); the app's lifespan starts and stops it."""
     server = Server(engine, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.async_engine.start()
-        log.info("serving %s (max_model_len=%d)", settings.served_model_name, engine.max_model_len)
+        log.info("serving %s (max_model_len=%d)", settings.served_model_name, engine.info.max_model_len)
         try:
             yield
         finally:
-            await run_in_threadpool(server.async_engine.shutdown)
+            await server.async_engine.stop()
 
     app = FastAPI(title="tokenslice", version=package_version(), lifespan=lifespan,
                   description="OpenAI-compatible server with token-level preemptive scheduling")
@@ -955,7 +986,7 @@ def create_app(engine: Engine, settings: ServerSettings) -> FastAPI:
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    _install_openapi(app, settings, engine)
+    _install_openapi(app, settings, engine.info)
     # Added last = outermost: the key is checked before any body is read.
     app.add_middleware(UnexpectedErrorMiddleware, handler=_unexpected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=server.metrics.reject)

@@ -1,13 +1,15 @@
 """Prometheus metrics for the server, named `tokenslice:*` after vLLM's `vllm:*` where vLLM has
 an equivalent (so existing dashboards need only the prefix changed).
 
-Gauges and engine-wide counters are read at scrape time from the AsyncEngine's latest stats
-snapshot; per-request histograms and token counters are fed by `observe`, which the engine
-loop calls for every output. Each app gets its own CollectorRegistry (no global state).
+Gauges and engine-wide counters are read at scrape time from the engine client's latest stats
+snapshot (from the engine-core process, or the in-process loop); per-request histograms and
+token counters are fed by `observe`, which the engine client calls for every output. Each app
+gets its own CollectorRegistry (no global state).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -114,6 +116,12 @@ class ServerMetrics:
                                   USER_LABELS, buckets=REQUEST_BUCKETS, registry=r)
         self._users: set[str] = set()
         r.register(_StatsCollector(model_name, stats, queued))
+        # The model-labelled series, looked up once: observe runs for every token of every stream.
+        m = model_name
+        self._generation_tokens, self._prompt_tokens = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)
+        self._ttft, self._tbt, self._e2e = self.ttft.labels(m), self.tbt.labels(m), self.e2e.labels(m)
+        self._queue_time = self.queue_time.labels(m)
+        self._user_series: dict[str, tuple[Any, Any, Any]] = {}
 
     def _user_label(self, user: str | None) -> str:
         if user is None:
@@ -125,29 +133,39 @@ class ServerMetrics:
             return user
         return OTHER_USERS
 
+    def _per_user(self, user: str | None) -> tuple[Any, Any, Any]:
+        """(prompt tokens, generation tokens, e2e) series of a user's label."""
+        label = self._user_label(user)
+        series = self._user_series.get(label)
+        if series is None:
+            m = self.model_name
+            series = (self.user_prompt_tokens.labels(m, label), self.user_generation_tokens.labels(m, label),
+                      self.user_e2e.labels(m, label))
+            self._user_series[label] = series
+        return series
+
     def observe(self, out: RequestOutput) -> None:
-        """Record one engine output; called in the engine loop thread right after the step,
-        while `out.metrics` (the request's live record) is consistent."""
+        """Record one engine output, right after its step, while `out.metrics` (the request's
+        record) is consistent."""
         m = out.metrics
-        model = self.model_name
-        user = self._user_label(out.user)
+        user_prompt, user_generation, user_e2e = self._per_user(out.user)
         if out.new_token_ids:
-            self.generation_tokens.labels(model).inc(len(out.new_token_ids))
-            self.user_generation_tokens.labels(model, user).inc(len(out.new_token_ids))
+            self._generation_tokens.inc(len(out.new_token_ids))
+            user_generation.inc(len(out.new_token_ids))
             if m is not None and out.num_output_tokens == len(out.new_token_ids):  # its first token
-                self.prompt_tokens.labels(model).inc(out.num_prompt_tokens)
-                self.user_prompt_tokens.labels(model, user).inc(out.num_prompt_tokens)
+                self._prompt_tokens.inc(out.num_prompt_tokens)
+                user_prompt.inc(out.num_prompt_tokens)
                 if m.ttft is not None:
-                    self.ttft.labels(model).observe(m.ttft)
+                    self._ttft.observe(m.ttft)
                 if m.first_scheduled_time is not None:
-                    self.queue_time.labels(model).observe(m.first_scheduled_time - m.arrival_time)
+                    self._queue_time.observe(m.first_scheduled_time - m.arrival_time)
             elif m is not None and len(m.token_times) >= 2:
-                self.tbt.labels(model).observe(m.token_times[-1] - m.token_times[-2])
+                self._tbt.observe(m.token_times[-1] - m.token_times[-2])
         if out.finished:
-            self.request_success.labels(model, out.finish_reason or "unknown").inc()
+            self.request_success.labels(self.model_name, out.finish_reason or "unknown").inc()
             if m is not None and m.e2e is not None:
-                self.e2e.labels(model).observe(m.e2e)
-                self.user_e2e.labels(model, user).observe(m.e2e)
+                self._e2e.observe(m.e2e)
+                user_e2e.observe(m.e2e)
 
     def reject(self, status: int) -> None:
         self.rejected.labels(self.model_name, str(status)).inc()

@@ -1,0 +1,211 @@
+"""The engine-core process (DESIGN.md, Data flow): Engine.step() in a loop of its own, fed and
+drained over ZMQ by the API server (engine/core_client.py), so HTTP, tokenization and
+detokenization never compete with the engine for one interpreter lock.
+
+Between steps the loop applies every queued message (adds, aborts, priority updates), so an
+abort frees its KV before the next step; the replies to adds and priority updates go out at
+once, the step's outputs after the step, all requests in one message. With nothing live it
+blocks on its input instead of spinning, and exits when the API server that started it is gone.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from tokenslice.config import EngineConfig
+from tokenslice.engine.async_engine import MAX_CONSECUTIVE_FAULTS, EngineStats, engine_info, read_stats
+from tokenslice.engine.core_messages import (Abort, AddReply, AddRequest, CoreInput, CoreOutput, Fatal,
+                                             PriorityReply, Ready, Refusal, SetPriority, Shutdown, StartupFailed)
+from tokenslice.engine.engine import Engine
+from tokenslice.request import InvalidRequestError, RequestOutput
+
+log = logging.getLogger("tokenslice.engine.core")
+
+# Stats for /metrics ride on step outputs at most this often (and whenever the engine goes idle):
+# a scrape never needs them fresher, and copying them every step would be wasted work.
+STATS_INTERVAL_S = 0.05
+# How often an idle core checks that the API server that started it still exists.
+PARENT_CHECK_MS = 1000
+SEND_LINGER_MS = 2000  # a last message (Fatal, StartupFailed) gets this long to leave
+
+
+def run_engine_core(config: bytes, input_address: str, output_address: str, log_level: int) -> None:
+    """Process entry point (multiprocessing spawn): build the engine, say Ready, run the loop.
+    `config` is a msgspec-encoded EngineConfig. Exits non-zero if the engine cannot start or fails."""
+    # Ctrl-C reaches the whole process group; the API server decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parent = os.getppid()
+    if "OMP_NUM_THREADS" not in os.environ:
+        import torch
+
+        # Leave a core to the API server: on CPU, compute threads that share cores with a busy
+        # process stall at every parallel barrier.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_address)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+    out.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    code = 0
+    try:
+        try:
+            engine = Engine.from_config(msgspec.msgpack.decode(config, type=EngineConfig))
+        except Exception as e:
+            log.debug("engine failed to start", exc_info=True)
+            out.send(encoder.encode(StartupFailed(str(e) or type(e).__name__)))
+            code = 1
+            return
+        engine.detokenize = False
+        # What startup built (the model, torch's and transformers' objects) lives as long as the
+        # process: keep it out of every later full collection, a pause between two steps.
+        gc.freeze()
+        try:
+            out.send(encoder.encode(Ready(engine_info(engine), read_stats(engine))))
+            EngineCore(engine, inp, out, parent).run()
+        except Exception as e:
+            log.exception("engine core failed")
+            out.send(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
+            code = 1
+        finally:
+            engine.close()
+    finally:
+        inp.close(linger=0)
+        out.close(linger=SEND_LINGER_MS)
+        ctx.term()
+        if code:
+            sys.exit(code)
+
+
+def _refusal(e: Exception, what: str, request_id: str) -> Refusal:
+    if isinstance(e, InvalidRequestError):
+        return Refusal(str(e), e.param)
+    log.error("request %s: engine failed to %s", request_id, what, exc_info=e)
+    return Refusal(f"engine failed to {what}: {e}", invalid=False)
+
+
+def _wire_output(out: RequestOutput) -> RequestOutput:
+    """The output as it is sent: its metrics carry only the new tokens' times (the API server
+    keeps the rest), so a step's message does not grow with each request's length."""
+    m = out.metrics
+    if m is not None:
+        out.metrics = copy.copy(m)  # the engine's record stays whole
+        out.metrics.token_times = m.token_times[len(m.token_times) - len(out.new_token_ids):]
+    return out
+
+
+class EngineCore:
+    """The loop; the only code in this process that touches the engine."""
+
+    def __init__(self, engine: Engine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
+        self.engine = engine
+        self.inp = inp
+        self.out = out
+        self.parent_pid = parent_pid
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(CoreInput)
+        self.live: set[str] = set()
+        # An abort's final output (and the executor's cue to forget the request) comes out of the
+        # next step; when nothing else is live, the loop takes one empty step to deliver it.
+        self.flush = False
+        self.consecutive_faults = 0
+        self.num_faults = 0
+        self.stats_sent_at = 0.0
+
+    def run(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished() or self.flush
+            messages = self._receive(block=not busy)
+            if messages is None:
+                return
+            reply = CoreOutput()
+            for msg in messages:
+                if isinstance(msg, Shutdown):
+                    return
+                self._apply(msg, reply)
+            if reply.added or reply.priorities:
+                self._send(reply)
+            if self.engine.has_unfinished() or self.flush:
+                self._step()
+
+    def _receive(self, block: bool) -> list[CoreInput] | None:
+        """Every queued message (waiting for one if `block`); None once the parent is gone."""
+        while block and not self.inp.poll(PARENT_CHECK_MS):
+            if os.getppid() != self.parent_pid:
+                log.warning("the API server is gone; engine core exiting")
+                return None
+        messages = []
+        while True:
+            try:
+                frame = self.inp.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return messages
+            messages.append(self.decoder.decode(frame))
+
+    def _send(self, msg: CoreOutput) -> None:
+        self.out.send(self.encoder.encode(msg))
+
+    def _apply(self, msg: CoreInput, reply: CoreOutput) -> None:
+        if isinstance(msg, AddRequest):
+            rid = msg.request.request_id
+            try:
+                self.engine.add(msg.request)
+            except Exception as e:
+                reply.added.append(AddReply(rid, _refusal(e, "add the request", rid)))
+                return
+            self.live.add(rid)
+            reply.added.append(AddReply(rid))
+        elif isinstance(msg, SetPriority):
+            try:
+                live = self.engine.set_priority(msg.request_id, msg.priority)
+            except Exception as e:
+                reply.priorities.append(PriorityReply(msg.call_id, error=_refusal(e, "change the priority", msg.request_id)))
+                return
+            reply.priorities.append(PriorityReply(msg.call_id, live))
+        elif isinstance(msg, Abort):
+            for rid in msg.request_ids:
+                if rid in self.live:
+                    self.live.discard(rid)
+                    self.engine.abort_request(rid)
+                    self.flush = True
+
+    def _step(self) -> None:
+        self.flush = False
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            self.num_faults += 1
+            self.consecutive_faults += 1
+            failed, self.live = sorted(self.live), set()
+            log.exception("engine step failed; failing requests %s", ", ".join(failed) or "(none)")
+            for rid in failed:
+                self.engine.abort_request(rid)  # if even this fails, the core exits and the server sees it
+            self._send(CoreOutput(failed=failed, stats=self._stats(force=True)))
+            if self.consecutive_faults >= MAX_CONSECUTIVE_FAULTS:
+                raise RuntimeError(f"{self.consecutive_faults} engine steps failed in a row") from None
+            return
+        self.consecutive_faults = 0
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
+            _wire_output(out)
+        stats = self._stats(force=not self.engine.has_unfinished())
+        if outputs or stats is not None:
+            self._send(CoreOutput(outputs, stats=stats))
+
+    def _stats(self, force: bool) -> EngineStats | None:
+        now = time.monotonic()
+        if not force and now - self.stats_sent_at < STATS_INTERVAL_S:
+            return None
+        self.stats_sent_at = now
+        return read_stats(self.engine, self.num_faults)

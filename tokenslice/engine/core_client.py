@@ -1,0 +1,321 @@
+"""EngineCoreClient: the API server's side of the engine-core process (DESIGN.md, Data flow).
+
+It starts the core (engine/core.py) in a spawned, non-daemonic child (a core with tensor
+parallelism starts worker processes of its own) and offers the server what AsyncEngine offers:
+add_request -> RequestStream, abort, set_priority, is_alive, num_queued, stats. Here, in the
+API-server process, it detokenizes and applies stop strings: on a stop string it ends the
+stream itself and sends the core an abort, which frees the KV before the next step.
+
+The event loop reads the core's messages from a zmq.asyncio socket; each step arrives as one
+message and is delivered to every stream in one pass. The core's death (killed, or a fatal
+fault) is seen at once through its process sentinel: every live request fails with
+EngineDeadError, `is_alive` turns false and `on_dead` is called.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenslice.config import EngineConfig
+from tokenslice.engine.async_engine import (EngineDeadError, EngineFaultError, OutputObserver, RequestStream,
+                                            StreamAdmission)
+from tokenslice.engine.core import run_engine_core
+from tokenslice.engine.core_messages import (Abort, AddRequest, CoreMessage, CoreOutput, Fatal, Ready, Refusal,
+                                             SetPriority, Shutdown, StartupFailed)
+from tokenslice.engine.detokenizer import IncrementalDetokenizer
+from tokenslice.request import EngineRequest, InvalidRequestError, RequestMetrics, RequestOutput
+
+log = logging.getLogger(__name__)
+
+STARTUP_POLL_MS = 200  # while the core loads its model, check this often that it is still alive
+STOP_TIMEOUT_S = 10.0  # a core that does not exit after Shutdown within this is killed
+_METRIC_SCALARS = tuple(f.name for f in dataclasses.fields(RequestMetrics) if f.name != "token_times")
+
+
+class EngineStartupError(RuntimeError):
+    """The engine core could not start (bad model path, out of memory, ...)."""
+
+
+@dataclass
+class _Live:
+    """A request the core is running for a stream of this process."""
+
+    stream: RequestStream
+    detok: IncrementalDetokenizer | None
+    metrics: RequestMetrics | None = None  # the core's record, its token times gathered step by step
+
+    def merge(self, sent: RequestMetrics) -> RequestMetrics:
+        if self.metrics is None:
+            self.metrics = sent
+            return sent
+        m = self.metrics
+        for name in _METRIC_SCALARS:
+            setattr(m, name, getattr(sent, name))
+        m.token_times.extend(sent.token_times)
+        return m
+
+
+def _stop_core(process: Any) -> None:
+    """Last resort (interpreter exit, or a core that ignores Shutdown): end it by its PID."""
+    if process.is_alive():
+        process.terminate()
+        process.join(STOP_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+class EngineCoreClient(StreamAdmission):
+    def __init__(self, config: EngineConfig, *, max_waiting: int = 1024, observer: OutputObserver | None = None,
+                 log_level: int = logging.INFO) -> None:
+        """Start the core and wait until its engine is built; raises EngineStartupError if it cannot."""
+        super().__init__(max_waiting)
+        config.validate()
+        self.observer = observer  # called in the event loop for every output of the core (metrics)
+        self.on_dead: Callable[[], None] | None = None
+        self._dir = tempfile.mkdtemp(prefix="tokenslice-core-")  # private: the ipc sockets live here
+        self._ctx = zmq.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._to_core.setsockopt(zmq.SNDHWM, 0)  # an abort must never wait
+        self._from_core = self._ctx.socket(zmq.PULL)
+        addresses = [f"ipc://{Path(self._dir) / name}" for name in ("input", "output")]
+        self._to_core.bind(addresses[0])
+        self._from_core.bind(addresses[1])
+        spawn = multiprocessing.get_context("spawn")
+        self.process = spawn.Process(target=run_engine_core, name="tokenslice-engine-core", daemon=False,
+                                     args=(msgspec.msgpack.encode(config), *addresses, log_level))
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CoreMessage)
+        self.process.start()
+        self.pid: int = self.process.pid  # type: ignore[assignment]
+        self._finalizer = weakref.finalize(self, _stop_core, self.process)
+        try:
+            ready = self._wait_ready()
+            from tokenslice.model.loader import load_tokenizer
+
+            self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        except BaseException:
+            self._close()
+            raise
+        self.info = ready.info
+        self.stats = ready.stats
+        log.info("engine core running in process %d", self.pid)
+        self._live: dict[str, _Live] = {}
+        self._stopped: set[str] = set()  # ended here on a stop string; the core's last output is dropped
+        self._priority_calls: dict[int, asyncio.Future[bool]] = {}
+        self._call_ids = itertools.count()
+        self._reader: asyncio.Task[None] | None = None
+        self._dead = False
+        self._stopping = False
+
+    def _wait_ready(self) -> Ready:
+        while not self._from_core.poll(STARTUP_POLL_MS):
+            if not self.process.is_alive():
+                raise EngineStartupError(f"the engine core exited with code {self.process.exitcode} before it was ready")
+        msg = self._decoder.decode(self._from_core.recv())
+        if isinstance(msg, StartupFailed):
+            raise EngineStartupError(f"the engine could not start: {msg.message}")
+        if not isinstance(msg, Ready):
+            raise EngineStartupError(f"the engine core sent {type(msg).__name__} before it was ready")
+        return msg
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        from tokenslice.engine.engine import tokenize_prompt
+
+        return tokenize_prompt(self.tokenizer, prompt)
+
+    # ---- lifecycle (event-loop side) ------------------------------------------------------------
+    def start(self) -> None:
+        """Start reading the core's outputs; call from the event loop that will consume the streams."""
+        if self._loop is not None:
+            raise RuntimeError("EngineCoreClient already started")
+        self._loop = asyncio.get_running_loop()
+        gc.freeze()  # startup's objects live as long as the server: no full collection rescans them
+        sock = zmq.asyncio.Socket.from_socket(self._from_core)
+        self._reader = self._loop.create_task(self._read(sock), name="tokenslice-core-reader")
+        self._loop.add_reader(self.process.sentinel, self._on_exit)
+        if not self.process.is_alive():  # died before the watch began
+            self._on_exit()
+
+    async def stop(self) -> None:
+        """Stop the core (Shutdown, then by its PID if it does not exit) and release the sockets."""
+        self._stopping = True
+        if self._loop is not None:
+            self._loop.remove_reader(self.process.sentinel)
+        if self.process.is_alive():
+            self._send(Shutdown())
+            await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._fail_all(EngineDeadError("the engine was stopped"))
+        self._close()
+
+    def _close(self) -> None:
+        self._finalizer()
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._dead and not self._stopping and self.process.is_alive()
+
+    # ---- requests (event-loop side) --------------------------------------------------------------
+    async def add_request(self, request: EngineRequest) -> RequestStream:
+        """Send a request to the core; returns once the engine accepted it. Raises what
+        AsyncEngine.add_request raises (InvalidRequestError, EngineOverloadedError, EngineDeadError)."""
+        stream = self._new_stream(request.request_id)
+        if not self.is_alive:
+            raise EngineDeadError("the engine core is not running")
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids, request.params)
+        self._live[request.request_id] = _Live(stream, detok)
+        self._send(AddRequest(request))
+        return await self._accepted(stream)
+
+    def abort(self, stream: RequestStream) -> None:
+        """Stop a request (its client left); the core frees its KV blocks before its next step."""
+        self._unqueue(stream)
+        if not stream.finished:
+            stream.finished = True
+            self._live.pop(stream.request_id, None)
+            if self.is_alive:
+                self._send(Abort([stream.request_id]))
+
+    async def set_priority(self, request_id: str, priority: int) -> bool:
+        """Change a live request's priority before the next step; as AsyncEngine.set_priority."""
+        if self._loop is None or not self.is_alive:
+            raise EngineDeadError("the engine core is not running")
+        call_id = next(self._call_ids)
+        result: asyncio.Future[bool] = self._loop.create_future()
+        self._priority_calls[call_id] = result
+        self._send(SetPriority(call_id, request_id, priority))
+        try:
+            return await result
+        finally:
+            self._priority_calls.pop(call_id, None)
+
+    def _send(self, msg: Any) -> None:
+        self._to_core.send(self._encoder.encode(msg))
+
+    # ---- core -> streams (event loop) ---------------------------------------------------------------
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                msg = self._decoder.decode(await sock.recv())
+                if isinstance(msg, CoreOutput):
+                    self._on_output(msg)
+                elif isinstance(msg, Fatal):
+                    self._die(f"the engine core failed: {msg.message}")
+        except Exception as e:  # without its reader the server can only hang: fail loudly instead
+            log.exception("reading the engine core's outputs failed")
+            self._die(f"reading the engine core's outputs failed: {type(e).__name__}: {e}")
+
+    def _on_output(self, msg: CoreOutput) -> None:
+        for reply in msg.added:
+            live = self._live.get(reply.request_id)
+            if live is not None:
+                if reply.error is not None:
+                    del self._live[reply.request_id]
+                self._settle(live.stream, None if reply.error is None else self._error(reply.error))
+        for p in msg.priorities:
+            future = self._priority_calls.get(p.call_id)
+            if future is not None and not future.done():
+                if p.error is None:
+                    future.set_result(p.live)
+                else:
+                    future.set_exception(self._error(p.error))
+        for out in msg.outputs:
+            self._deliver(out)
+        if msg.failed:
+            fault = EngineFaultError("the engine failed while running this request")
+            for rid in msg.failed:
+                live = self._live.pop(rid, None)
+                if live is not None:
+                    self._put(live.stream, fault)
+        if msg.stats is not None:
+            self.stats = msg.stats
+
+    @staticmethod
+    def _error(refusal: Refusal) -> Exception:
+        return InvalidRequestError(refusal.message, refusal.param) if refusal.invalid else EngineFaultError(refusal.message)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        rid = out.request_id
+        live = self._live.get(rid)
+        if live is None:
+            if rid in self._stopped:  # the abort that followed a stop string: already reported
+                if out.finished:
+                    self._stopped.discard(rid)
+                return
+            self._observe(out)  # an aborted request's last outputs still count in the metrics
+            return
+        if out.metrics is not None:
+            out.metrics = live.merge(out.metrics)
+        det = live.detok
+        if det is not None:
+            det.add_step(out.new_token_ids, out.finish_reason if out.finished else None)
+            if out.finished:
+                det.add([], final=True)  # release bytes held back waiting for a character to complete
+            if det.stopped and not out.finished:  # a stop string: end it here, free its KV there
+                out.finished, out.finish_reason = True, "stop"
+                if out.metrics is not None and out.metrics.token_times:
+                    out.metrics.finish_time = out.metrics.token_times[-1]
+                self._stopped.add(rid)
+                self._send(Abort([rid]))
+            out.text_delta = det.delta(out.finished)
+        self._observe(out)
+        if out.finished:
+            del self._live[rid]
+        self._put(live.stream, out)
+
+    def _observe(self, out: RequestOutput) -> None:
+        if self.observer is not None:
+            try:
+                self.observer(out)
+            except Exception:  # metrics must never take the server down
+                log.exception("output observer failed")
+
+    # ---- death ---------------------------------------------------------------------------------------
+    def _on_exit(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self.process.sentinel)
+        if not self._stopping:
+            self.process.join(0)
+            self._die(f"the engine core process exited with code {self.process.exitcode}")
+
+    def _die(self, reason: str) -> None:
+        if self._dead or self._stopping:
+            return
+        self._dead = True
+        log.error("%s; failing %d live requests", reason, len(self._live))
+        self._fail_all(EngineDeadError(reason))
+        if self.on_dead is not None:
+            self.on_dead()
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        lives, self._live = self._live, {}
+        for live in lives.values():
+            if not live.stream.finished:
+                self._put(live.stream, error)
+        for future in self._priority_calls.values():
+            if not future.done():
+                future.set_exception(error)

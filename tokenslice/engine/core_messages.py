@@ -1,0 +1,83 @@
+"""Messages between the API server and the engine-core process (DESIGN.md, Data flow).
+
+Encoded with msgspec's MessagePack, never pickled. The request, output and stats dataclasses
+travel field by field as they are declared, so a field added to EngineRequest, RequestOutput or
+RequestMetrics crosses the boundary with no change here.
+
+In (API server -> core, one PUSH socket): AddRequest, Abort, SetPriority, Shutdown.
+Out (core -> API server, one PUSH socket): Ready or StartupFailed first, then CoreOutput (one
+per engine step, carrying every request's new tokens; and the replies to adds and priority
+updates, sent before the step that follows them), and Fatal before the core exits on a fault.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from tokenslice.engine.async_engine import EngineInfo, EngineStats
+from tokenslice.request import EngineRequest, RequestOutput
+
+
+# ---- in ------------------------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag=True):
+    request: EngineRequest
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class SetPriority(msgspec.Struct, tag=True):
+    call_id: int  # echoed in the PriorityReply
+    request_id: str
+    priority: int
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+CoreInput = AddRequest | Abort | SetPriority | Shutdown
+
+
+# ---- out -----------------------------------------------------------------------------------------
+class Refusal(msgspec.Struct):
+    """Why the engine refused an add or a priority update."""
+
+    message: str
+    param: str | None = None
+    invalid: bool = True  # the request's fault (InvalidRequestError: HTTP 400), else the engine's (500)
+
+
+class AddReply(msgspec.Struct):
+    request_id: str
+    error: Refusal | None = None
+
+
+class PriorityReply(msgspec.Struct):
+    call_id: int
+    live: bool = False
+    error: Refusal | None = None
+
+
+class Ready(msgspec.Struct, tag=True):
+    info: EngineInfo
+    stats: EngineStats
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+class CoreOutput(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput] = []
+    added: list[AddReply] = []
+    priorities: list[PriorityReply] = []
+    failed: list[str] = []  # live requests that a failed step took down
+    stats: EngineStats | None = None  # at most every STATS_INTERVAL_S, and whenever the engine goes idle
+
+
+class Fatal(msgspec.Struct, tag=True):
+    message: str
+
+
+CoreMessage = Ready | StartupFailed | CoreOutput | Fatal

@@ -1,0 +1,31 @@
+"""The submit/poll side of the Executor interface for executors that finish a plan as soon as
+it is submitted (DESIGN.md, Executor: several plans may be in flight for pipeline parallelism;
+these simply have none left in flight)."""
+from __future__ import annotations
+
+from collections import deque
+
+from tokenslice.plan import StepPlan, StepResult
+
+
+class ImmediateExecutor:
+    """Subclasses implement `run(plan)`; results come back from `poll` in submission order."""
+
+    def __init__(self) -> None:
+        self._results: deque[StepResult] = deque()
+
+    def run(self, plan: StepPlan) -> StepResult:
+        raise NotImplementedError
+
+    def submit(self, plan: StepPlan) -> None:
+        self._results.append(self.run(plan))
+
+    def poll(self) -> StepResult:
+        """The oldest submitted plan's result."""
+        if not self._results:
+            raise RuntimeError("poll() with no plan submitted")
+        return self._results.popleft()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.submit(plan)
+        return self.poll()

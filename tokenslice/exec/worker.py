@@ -1,0 +1,150 @@
+"""One tensor-parallel rank's process (exec/multiproc.py starts them): its share of the model
+(model/tp.py), its KV partition on both tiers, and a loop that runs every StepPlan it receives.
+
+Messages are ZMQ multipart frames [kind, body] with msgspec bodies. StepPlan and StepResult are
+encoded as the dataclasses they are, every field included, so fields added to them (or to
+SeqSlice, BlockTransfer, SamplingParams) travel without change here. Each rank runs the whole
+plan on its own partition: compute, sync swaps and async transfers alike (FastServe §4.3), and
+answers with its StepResult; the executor merges them.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+
+import msgspec
+import torch
+import zmq
+
+from tokenslice.config import CacheConfig, ModelConfig
+from tokenslice.plan import StepPlan, StepResult
+
+# Engine -> worker
+INIT = b"init"  # Sizes: build the runner
+STEP = b"step"  # StepPlan
+STOP = b"stop"
+# Worker -> engine: [rank, kind, body]
+READY = b"ready"  # Capacity: the model is loaded
+RESULT = b"result"  # StepResult (to INIT: an empty one)
+ERROR = b"error"  # traceback text; the worker exits
+PARENT_CHECK_MS = 1000  # how often an idle worker checks that its engine still exists
+
+
+@dataclass
+class Capacity:
+    """What one rank can hold, and what its partition of one block weighs."""
+
+    kv_blocks: int
+    host_blocks: int
+    host_block_bytes: int  # one block's partition in the offload format
+
+
+@dataclass
+class Sizes:
+    """The pool sizes every rank uses: the smallest rank's."""
+
+    kv_blocks: int
+    host_blocks: int
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a rank needs, passed to the spawned process."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    rank: int
+    size: int
+    max_model_len: int
+    max_batch_size: int
+    host_tier: bool  # the preemption mode swaps: allocate the host tier
+    plan_address: str  # this rank's ZMQ PULL endpoint
+    result_address: str  # the executor's ZMQ PULL endpoint
+    init_method: str  # torch.distributed rendezvous
+    threads: int  # torch intra-op threads (CPU)
+    parent_pid: int
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """The process's entry point: rendezvous, load, serve plans until STOP or the engine is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it stops us
+    ctx = zmq.Context()
+    results = ctx.socket(zmq.PUSH)
+    results.setsockopt(zmq.LINGER, 5000)
+    results.connect(spec.result_address)
+    plans = ctx.socket(zmq.PULL)
+    plans.setsockopt(zmq.LINGER, 0)
+    plans.connect(spec.plan_address)
+    rank = str(spec.rank).encode()
+    code = 0
+    try:
+        _serve(spec, plans, results, rank)
+    except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
+        text = traceback.format_exc()
+        sys.stderr.write(f"tokenslice tensor-parallel rank {spec.rank}:\n{text}")
+        results.send_multipart([rank, ERROR, text.encode()])
+        code = 1
+    finally:
+        plans.close()
+        results.close()
+        ctx.term()
+    # All is closed: skip the interpreter's teardown, where torch.distributed's destructors
+    # take seconds (measured: 3.5 s per worker on CPU), so that close() returns promptly.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve(spec: WorkerSpec, plans: zmq.Socket, results: zmq.Socket, rank: bytes) -> None:
+    import torch.distributed as dist
+
+    from tokenslice.model.loader import load_model, rank_device
+    from tokenslice.model.runner import ModelRunner, host_block_bytes, num_host_kv_blocks, num_kv_blocks
+
+    device = rank_device(spec.model.device, spec.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(spec.threads)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=spec.init_method,
+                            rank=spec.rank, world_size=spec.size)
+    encode = msgspec.msgpack.Encoder().encode
+    runner: ModelRunner | None = None
+    try:
+        loaded = load_model(spec.model, spec.rank, spec.size, with_tokenizer=False)
+        # On CPU every rank's KV partition shares the one memory; on CUDA each has its GPU.
+        sharing = spec.size if loaded.device.type == "cpu" else 1
+        cap = Capacity(
+            kv_blocks=num_kv_blocks(spec.cache, loaded, spec.max_model_len, spec.max_batch_size, sharing),
+            host_blocks=num_host_kv_blocks(spec.cache, loaded, spec.size) if spec.host_tier else 0,
+            host_block_bytes=host_block_bytes(loaded.arch, spec.cache.block_size, loaded.dtype,
+                                              spec.cache.offload_dtype))
+        results.send_multipart([rank, READY, encode(cap)])
+        decode_plan = msgspec.msgpack.Decoder(StepPlan).decode
+        while True:
+            if not plans.poll(PARENT_CHECK_MS):
+                if os.getppid() != spec.parent_pid:  # the engine died without stopping us
+                    return
+                continue
+            kind, body = plans.recv_multipart()
+            if kind == STOP:
+                return
+            if kind == INIT:
+                sizes = msgspec.msgpack.decode(body, type=Sizes)
+                runner = ModelRunner(loaded, sizes.kv_blocks, spec.cache.block_size, spec.model.seed,
+                                     num_host_blocks=sizes.host_blocks, offload_dtype=spec.cache.offload_dtype)
+                results.send_multipart([rank, RESULT, encode(StepResult())])
+                continue
+            if runner is None:
+                raise RuntimeError(f"rank {spec.rank}: a plan arrived before the KV sizes")
+            result = runner.execute(decode_plan(body))
+            if spec.rank != 0:
+                result.sampled = {}  # every rank samples the same tokens; rank 0's are the answer
+            results.send_multipart([rank, RESULT, encode(result)])
+    finally:
+        if runner is not None:
+            runner.close()
+        dist.destroy_process_group()
