@@ -24,7 +24,7 @@ from tokenslice.bench.metrics import SLO, max_rate_detail, results_file
 from tokenslice.bench.simulate import SweepSpec, ample_kv_blocks, fcfs_saturation_rps, per_request_data, \
     run_metrics, simulate_run, summary_for
 from tokenslice.bench.workloads import DatasetCache
-from tokenslice.predict.cost import load_cost_model
+from tokenslice.predict.cost import CostModel, load_cost_model
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import make_policy
 
@@ -81,21 +81,25 @@ class Runner:
     sized on the all-at-once workload of each seed, fcfs saturation per seed), so adaptive sweeps
     can add points without re-running any."""
 
-    def __init__(self, spec: SweepSpec) -> None:
+    def __init__(self, spec: SweepSpec, cost: CostModel = COST) -> None:
+        """`cost`: the profile (the common setup's by default); `spec.kv_cache_blocks` None: ample KV."""
         self.spec = spec
-        self.slo = spec.slo_normalized_latency or 10 * COST.min_iteration_seconds()
+        self.cost = cost
+        self.slo = spec.slo_normalized_latency or 10 * cost.min_iteration_seconds()
         for p in spec.policies:
-            make_policy(p, PolicyContext(spec.scheduler_config(p, self.slo), COST))
+            make_policy(p, PolicyContext(spec.scheduler_config(p, self.slo), cost))
         self.at_once = {s: spec.make(s, None, CACHE) for s in spec.seeds}
-        self.kv_blocks = max(ample_kv_blocks(w, spec.max_batch_size, spec.block_size) for w in self.at_once.values())
+        self.kv_blocks = spec.kv_cache_blocks or max(ample_kv_blocks(w, spec.max_batch_size, spec.block_size)
+                                                     for w in self.at_once.values())
         self._sat: dict[int, float] = {}
         self.runs: dict[tuple[str, float, int], dict[str, Any]] = {}
         self.wall: dict[tuple[str, float, int], float] = {}
 
     def saturation(self, seed: int) -> float:
         if seed not in self._sat:
-            self._sat[seed] = fcfs_saturation_rps(COST, self.at_once[seed], self.spec.scheduler_config("fcfs", self.slo),
-                                                  self.kv_blocks, self.spec.block_size)
+            self._sat[seed] = fcfs_saturation_rps(self.cost, self.at_once[seed],
+                                                  self.spec.scheduler_config("fcfs", self.slo), self.kv_blocks,
+                                                  self.spec.block_size)
         return self._sat[seed]
 
     def run(self, policy: str, rate: float, seed: int) -> dict[str, Any]:
@@ -103,8 +107,8 @@ class Runner:
         if key not in self.runs:
             wl = self.spec.make(seed, rate, CACHE)
             t = time.perf_counter()
-            records, counters = simulate_run(COST, wl, self.spec.scheduler_config(policy, self.slo), self.kv_blocks,
-                                             self.spec.block_size)
+            records, counters = simulate_run(self.cost, wl, self.spec.scheduler_config(policy, self.slo),
+                                             self.kv_blocks, self.spec.block_size, self.spec.host_kv_blocks)
             wall = time.perf_counter() - t
             metrics = run_metrics(records, counters, self.slo)
             metrics["sim_wall_s"] = wall
@@ -129,7 +133,7 @@ class Runner:
                     "scheduler": {"preemption": spec.preemption, "max_batch_size": spec.max_batch_size,
                                   "max_tokens_per_step": spec.max_tokens_per_step, "kv_cache_blocks": self.kv_blocks,
                                   "block_size": spec.block_size}, **(extra_workload or {})}
-        return results_file("simulate", workload, PROFILE, SLO(mean_normalized_latency=self.slo), runs, summary)
+        return results_file("simulate", workload, self.cost.name, SLO(mean_normalized_latency=self.slo), runs, summary)
 
 
 def seed_mean(runs: Iterable[Mapping[str, Any]], metric: str) -> tuple[float | None, list[float | None]]:

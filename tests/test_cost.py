@@ -239,3 +239,59 @@ def test_fastswitch_a10_host_link() -> None:
     assert cm.transfer_seconds(1 << 20, 1) == pytest.approx(10e-6 + (1 << 20) / 32e9)
     assert cm.transfer_seconds(1 << 20, 16) == pytest.approx(16 * 10e-6 + (1 << 20) / 32e9)
     assert MODEL_SPECS["llama-8b"].derived_params == MODEL_SPECS["llama-3-8b"].derived_params
+
+
+def test_tensor_parallel_communication() -> None:
+    """Megatron-style TP collectives: none at tp1, more with more tokens, slower over PCIe."""
+    one = load_cost_model("opt-66b@a100-80gb")
+    nvlink = load_cost_model("opt-66b@a100-40gb:tp4")
+    pcie = load_cost_model("opt-66b@a100-40gb:tp4:pcie")
+    assert isinstance(one, RooflineCostModel) and isinstance(nvlink, RooflineCostModel)
+    assert isinstance(pcie, RooflineCostModel)
+    assert one.tp_comm_seconds(512, 1) == 0.0
+    assert nvlink.link == "nvlink" and pcie.link == "pcie"
+    assert pcie.name == "opt-66b@a100-40gb:tp4:pcie" and nvlink.name == "opt-66b@a100-40gb:tp4"
+    assert load_cost_model("opt-66b@a100-40gb:tp4:nvlink").name == nvlink.name
+    small, large = nvlink.tp_comm_seconds(16, 1), nvlink.tp_comm_seconds(2048, 1)
+    assert 0.0 < small < large
+    # The LM head gathers one logits row per sampled sequence.
+    assert nvlink.tp_comm_seconds(16, 16) > small
+    for tokens in (1, 512):
+        assert pcie.tp_comm_seconds(tokens, 1) > nvlink.tp_comm_seconds(tokens, 1)
+    prefill = BatchShape.from_lengths(prefill=[(512, 0)])
+    assert pcie.iteration_seconds(prefill) - nvlink.iteration_seconds(prefill) == pytest.approx(
+        pcie.tp_comm_seconds(512, 1) - nvlink.tp_comm_seconds(512, 1))
+    # Ring all-reduce of 2048 tokens x 9216 fp16 activations, 129 times (64 layers x 2 + the embedding).
+    hw = HARDWARE_SPECS["a100-40gb"]
+    act = 2048 * 9216 * 2
+    expected = 129 * (hw.allreduce_latency_s + 2 * 3 / 4 * act / hw.interconnect_bandwidth)
+    assert large - (hw.allreduce_latency_s + 3 / 4 * 50272 * 2 / hw.interconnect_bandwidth) == pytest.approx(expected)
+    assert CostModel.from_dict(pcie.to_dict()).name == pcie.name
+
+
+def test_link_names_are_checked() -> None:
+    assert load_cost_model("opt-13b@a10:tp2").link == "pcie"  # no NVLink on an A10
+    with pytest.raises(ValueError, match="no NVLink"):
+        load_cost_model("opt-13b@a10:tp2:nvlink")
+    with pytest.raises(ValueError, match=":pcie"):
+        load_cost_model("opt-13b@a100-40gb:tp2:infiniband")
+
+
+def test_fastserve_fig11b_setting_fits() -> None:
+    """OPT-66B on 4 x A100-40GB (FastServe Fig. 11b): the weight shard and some KV fit each GPU."""
+    cost = load_cost_model("opt-66b@a100-40gb:tp4")
+    assert isinstance(cost, RooflineCostModel)
+    cost.check_fits()
+    assert cost.weight_bytes_per_gpu() < 0.9 * 40e9
+    assert cost.kv_capacity_tokens() > 2048  # the longest request the length filter keeps
+    with pytest.raises(ValueError, match=r"does not fit.*:tp4"):
+        load_cost_model("opt-66b@a100-40gb:tp2").check_fits()
+
+
+def test_simulator_refuses_model_that_does_not_fit() -> None:
+    from tokenslice.config import SchedulerConfig
+    from tokenslice.engine.engine import Engine
+
+    with pytest.raises(ValueError, match="opt-66b@a100-40gb does not fit"):
+        Engine.simulated(SchedulerConfig(policy="fcfs"), load_cost_model("opt-66b@a100-40gb"), kv_cache_blocks=64)
+    Engine.simulated(SchedulerConfig(policy="fcfs"), load_cost_model("opt-66b@a100-40gb:tp4"), kv_cache_blocks=64)

@@ -69,3 +69,37 @@ def test_fit_relative_recovers_a_linear_machine() -> None:
         assert cost.coefficients[k] == pytest.approx(v, rel=1e-4)
     assert cost.r2 == pytest.approx(1.0)
     assert GridPoint(decode=(4, 4)).kind == "decode"
+
+
+def test_profile_records_tensor_parallel_degree(tmp_path: Path) -> None:
+    """A profile of a tensor-parallel engine says so: `:tpN` in its name, kept through JSON."""
+    points = profile_grid(max_batch_size=4, max_context=128, max_tokens_per_step=256)
+    samples = [(BatchShape.from_lengths(prefill=list(p.prefill), decode=list(p.decode)), 1e-3 * (i + 1))
+               for i, p in enumerate(points)]
+    cost = fit_relative(samples, kv_bytes_per_token=64, model="stories260k", device="cuda", tensor_parallel=2)
+    assert cost.tensor_parallel == 2 and cost.name == "stories260k@cuda:tp2"
+    path = tmp_path / "tp2.json"
+    cost.save(path)
+    assert json.loads(path.read_text())["tensor_parallel"] == 2
+    loaded = load_cost_model(str(path))
+    assert isinstance(loaded, ProfileCostModel) and loaded.name == "stories260k@cuda:tp2"
+    assert fit_relative(samples, kv_bytes_per_token=64, model="m", device="cpu").name == "m@cpu"
+
+
+@pytest.mark.timeout(300)
+def test_profile_tensor_parallel_stories260k(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tokenslice profile -tp 2` times the grid on two worker processes and says so in the profile."""
+    from conftest import STORIES
+
+    out = tmp_path / "tp2.json"
+    rc = main(["profile", "--model", str(STORIES), "-tp", "2", "--out", str(out), "--samples", "8", "--repeats", "1",
+               "--max-batch-size", "4", "--max-context", "128", "--device", "cpu", "--dtype", "float32", "--quiet"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["tensor_parallel"] == 2
+    assert len(data["measurements"]) == data["samples"] == 8
+    assert all(m["seconds"] > 0 for m in data["measurements"])
+    cost = load_cost_model(str(out))
+    assert isinstance(cost, ProfileCostModel) and cost.name.endswith(":tp2")
+    assert cost.min_iteration_seconds() > 0
+    assert "over 2 tensor-parallel ranks" in capsys.readouterr().out

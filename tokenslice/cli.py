@@ -478,8 +478,9 @@ def add_simulation_subcommands(sub: Any) -> None:
     def flag(name: str, **kwargs: Any) -> None:
         add_field_flag(m, SweepSpec, name, **kwargs)
 
-    m.add_argument("--profile", required=True, help="cost model: model@hardware (e.g. opt-13b@a100-40gb) "
-                   "or a profile .json from `tokenslice profile`")
+    m.add_argument("--profile", required=True, help="cost model: model@hardware[:tpN][:nvlink|:pcie] (e.g. "
+                   "opt-13b@a100-40gb, opt-66b@a100-40gb:tp4: tensor parallel over the card's own GPU link, "
+                   "or over PCIe with :pcie) or a profile .json from `tokenslice profile`")
     flag("workload", required=True, choices=list(WORKLOAD_NAMES))
     flag("dataset", help="dataset file or directory (alpaca/sharegpt workloads)")
     flag("tokenizer", help="tokenizer directory that counts dataset tokens")
@@ -510,6 +511,10 @@ def add_simulation_subcommands(sub: Any) -> None:
     flag("starvation_limit_s", help="MLFQ: promote jobs waiting longer than this (default: from the SLO)")
     flag("io_ratio", help="rescale mean input:output length ratio")
     flag("length_filter", help="vLLM's benchmark length filter")
+    flag("record_state", metavar="FILE", help="write the scheduler's state (queues, requests, KV pools; no "
+         "text or token ids) as JSON lines on the virtual clock, every run of the sweep")
+    flag("record_state_interval_s", metavar="S", help="--record-state: at most one snapshot per this many "
+         "simulated seconds per run")
     flag("max_tokens_cap")
     flag("max_prompt_len")
     flag("length_predictor", metavar="DIR",
@@ -539,6 +544,8 @@ def add_simulation_subcommands(sub: Any) -> None:
                        ("samples", "grid points to measure (default: the full grid)"),
                        ("repeats", "timings per point; the median is kept"), ("block_size", None), ("seed", None)):
         add_field_flag(p, ProfileOptions, name, help=text)
+    add_field_flag(p, ProfileOptions, "tensor_parallel_size", "-tp",
+                   help="GPUs to shard the model over; the profile records it (its name shows :tpN)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_profile)
 

@@ -26,6 +26,7 @@ import numpy as np
 
 from tokenslice.bench.metrics import SLO, RequestRecord, max_rate_detail, results_file, run_entry, run_key, \
     summarize, sweep_summary, user_summary
+from tokenslice.bench.record_state import StateRecorder
 from tokenslice.bench.workloads import PRIORITY_PATTERNS, DatasetCache, PriorityPattern, PriorityUpdates, \
     WorkloadRequest, check_user_shares, make_workload, parse_user_shares, workload_stats
 from tokenslice.config import CacheConfig, SchedulerConfig, field_from
@@ -42,6 +43,9 @@ HOST_KV_FACTOR = 4
 # scheduling benchmarks (BENCHMARKS.md), where the batch fills at moderate load and the policies'
 # order matters (below the batch size every live job runs every step).
 SIMULATE_MAX_BATCH_SIZE = 16
+# --record-state: at most one snapshot every this many simulated seconds per run (a live view's
+# refresh; a paper-scale run spans minutes to hours of virtual time).
+RECORD_STATE_INTERVAL_S = 1.0
 # SchedulerConfig fields a SweepSpec also has but does not hand to the scheduler: the SLO is
 # resolved against the cost model per sweep, and the length predictor is applied to the workload
 # up front (predict_lengths).
@@ -99,6 +103,9 @@ class SweepSpec:
     priority_pattern: str | None = field(default=None, metadata={"choices": PRIORITY_PATTERNS})
     priority_update_freq: float = field_from(PriorityPattern, "update_freq")
     priority_levels: int = field_from(PriorityPattern, "levels")
+    # JSON-lines file of scheduler snapshots on the virtual clock (bench/record_state.py); None: off.
+    record_state: str | None = None
+    record_state_interval_s: float = RECORD_STATE_INTERVAL_S
 
     def validate(self) -> None:
         if (self.rates is None) == (self.loads is None):
@@ -117,6 +124,8 @@ class SweepSpec:
         if self.length_predictor is not None and not (Path(self.length_predictor) / "predictor.json").is_file():
             raise ValueError(f"no length predictor in {self.length_predictor!r}; build one with "
                              "`tokenslice predictor build`")
+        if not (self.record_state_interval_s > 0 and math.isfinite(self.record_state_interval_s)):
+            raise ValueError(f"record_state_interval_s must be a positive number, got {self.record_state_interval_s}")
         if self.num_users is not None and self.num_users < 1:
             raise ValueError(f"num_users must be >= 1, got {self.num_users}")
         if self.user_shares is not None:
@@ -247,12 +256,13 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
                  offload_dtype: str = CacheConfig.offload_dtype, length_predictor: str | Path | None = None,
                  priority: PriorityPattern | None = None,
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-                 block_groups: bool = CacheConfig.block_groups
+                 block_groups: bool = CacheConfig.block_groups, state_recorder: StateRecorder | None = None
                  ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay a workload on the simulator: (per-request records, engine-wide counters). The host
     tier (swap modes only) defaults to HOST_KV_FACTOR x the device pool. With `length_predictor`, requests
     without a prediction get one first (predict_lengths). With `priority`, requests get priorities
-    from the pattern at arrival and every 1/f steps (FastSwitch §4)."""
+    from the pattern at arrival and every 1/f steps (FastSwitch §4). `state_recorder` snapshots the
+    scheduler as the virtual clock advances (it only reads, so the results do not change)."""
     from tokenslice.engine.engine import Engine  # the engine pulls in the scheduler stack: import on use
 
     check_fits(workload_requests, kv_cache_blocks, block_size)
@@ -262,8 +272,13 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
                               host_kv_blocks=host, offload_dtype=offload_dtype,
                               enable_prefix_caching=enable_prefix_caching, block_groups=block_groups)
+    observe = None
+    if state_recorder is not None:
+        def observe(now: float) -> None:
+            state_recorder.observe(engine.scheduler, now)
     reqs = engine.replay(list(workload_requests),
-                         priority_updates=PriorityUpdates(priority) if priority is not None else None)
+                         priority_updates=PriorityUpdates(priority) if priority is not None else None,
+                         on_advance=observe)
     return records_from_requests(reqs), engine_counters(engine)
 
 
@@ -381,24 +396,31 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
         tick(f"fcfs saturation seed={seed}")
 
     runs: list[dict[str, Any]] = []
-    for seed in spec.seeds:
-        xs = spec.rates if spec.rates is not None else spec.loads
-        for x in xs or []:
-            rate = x if spec.sweep == "rate" else x * saturation[seed]
-            load = x if spec.sweep == "load" else rate / saturation[seed]
-            wl = spec.make(seed, rate, cache)
-            for policy in spec.policies:
-                records, counters = simulate_run(cost, wl, spec.scheduler_config(policy, slo), kv_blocks,
-                                                 spec.block_size, spec.host_kv_blocks, spec.offload_dtype,
-                                                 priority=spec.priority(seed),
-                                                 enable_prefix_caching=spec.enable_prefix_caching,
-                                                 block_groups=spec.block_groups)
-                metrics = run_metrics(records, counters, slo)
-                users = user_summary(records)
-                runs.append(run_entry(policy, spec.preemption, rate, metrics, load=load, cv=spec.cv,
-                                      num_requests=len(wl), seed=seed, per_request=per_request_data(records),
-                                      **({"per_user": users} if users else {})))
-                tick(f"{policy} {spec.sweep}={x:g} seed={seed}")
+    recorder = StateRecorder(spec.record_state, spec.record_state_interval_s) if spec.record_state else None
+    try:
+        for seed in spec.seeds:
+            xs = spec.rates if spec.rates is not None else spec.loads
+            for x in xs or []:
+                rate = x if spec.sweep == "rate" else x * saturation[seed]
+                load = x if spec.sweep == "load" else rate / saturation[seed]
+                wl = spec.make(seed, rate, cache)
+                for policy in spec.policies:
+                    if recorder is not None:
+                        recorder.start_run(policy=policy, preemption=spec.preemption, rate=rate, load=load, seed=seed)
+                    records, counters = simulate_run(cost, wl, spec.scheduler_config(policy, slo), kv_blocks,
+                                                     spec.block_size, spec.host_kv_blocks, spec.offload_dtype,
+                                                     priority=spec.priority(seed),
+                                                     enable_prefix_caching=spec.enable_prefix_caching,
+                                                     block_groups=spec.block_groups, state_recorder=recorder)
+                    metrics = run_metrics(records, counters, slo)
+                    users = user_summary(records)
+                    runs.append(run_entry(policy, spec.preemption, rate, metrics, load=load, cv=spec.cv,
+                                          num_requests=len(wl), seed=seed, per_request=per_request_data(records),
+                                          **({"per_user": users} if users else {})))
+                    tick(f"{policy} {spec.sweep}={x:g} seed={seed}")
+    finally:
+        if recorder is not None:
+            recorder.close()
 
     stats = workload_stats(next(iter(at_once.values())))
     workload = {"name": spec.workload, "dataset": spec.dataset, "tokenizer": spec.tokenizer,
@@ -444,6 +466,6 @@ def strip_per_request(results: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-__all__ = ["HOST_KV_FACTOR", "SIMULATE_MAX_BATCH_SIZE", "SweepSpec", "predict_lengths", "records_from_requests",
+__all__ = ["HOST_KV_FACTOR", "SIMULATE_MAX_BATCH_SIZE", "RECORD_STATE_INTERVAL_S", "SweepSpec", "predict_lengths", "records_from_requests",
            "engine_counters", "check_fits", "simulate_run", "ample_kv_blocks", "fcfs_saturation_rps", "run_metrics",
            "per_request_data", "mean_by_point", "summary_for", "run_sweep", "sweep_size", "strip_per_request"]

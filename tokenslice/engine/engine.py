@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -435,7 +436,8 @@ class Engine:
         return out
 
     def replay(self, trace: list[TraceItem], *, on_finish: Any = None,
-               priority_updates: PriorityUpdates | None = None) -> list[Request]:
+               priority_updates: PriorityUpdates | None = None,
+               on_advance: Callable[[float], None] | None = None) -> list[Request]:
         """Run a workload trace: each request arrives at its time (clock-relative to the start)
         and generates exactly its output length, then stops as at an EOS (`Request.eos_after`);
         max_tokens is the context left, as a client that does not know the answer's length sends.
@@ -447,7 +449,8 @@ class Engine:
         `priority_updates` (FastSwitch §4) sets each request's priority at arrival, and after every
         `period` engine steps changes the live requests' priorities with `set_priority` before the
         next step; a fast-forwarded window ends at each update point, so the result is the same
-        with fast_forward on or off.
+        with fast_forward on or off. `on_advance(now)` is called after every step (or
+        fast-forwarded window), e.g. to record the scheduler's state; it must not change it.
         """
         items = sorted(trace, key=lambda t: t.arrival_time)
         start = self.clock.now()
@@ -489,6 +492,8 @@ class Engine:
             horizon = start + items[i].arrival_time if i < len(items) else float("inf")
             max_steps = next_update - self.num_steps if period else None
             _, finished = self._advance(horizon, max_steps)
+            if on_advance is not None:
+                on_advance(self.clock.now())
             for req in finished:
                 self._detok.pop(req.request_id, None)
                 if on_finish is not None:

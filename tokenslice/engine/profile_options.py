@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenslice.config import CacheConfig, ModelConfig, SchedulerConfig, field_from
+from tokenslice.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, field_from
 
 # The grid's largest decode batch (it times powers of two up to it) and the calibration burst's
 # batch: 32, not serve's SchedulerConfig.max_batch_size, keeps a profile on CPU short; the fitted
@@ -27,6 +27,8 @@ class ProfileOptions:
     repeats: int = 5  # timed runs per point; the median is kept
     block_size: int = field_from(CacheConfig, "block_size")
     seed: int = field_from(ModelConfig, "seed")
+    # GPUs the measured engine shards the model over; the profile records it (its name shows :tpN).
+    tensor_parallel_size: int = field_from(ParallelConfig, "tensor_parallel_size")
 
 
 __all__ = ["PROFILE_MAX_BATCH_SIZE", "ProfileOptions"]

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenslice.config import CacheConfig, ModelConfig, SchedulerConfig
+from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenslice.engine.profile_options import ProfileOptions
 from tokenslice.exec.sim import SimulatedExecutor
 from tokenslice.kv.manager import KVManager
@@ -57,6 +57,16 @@ class GridPoint:
     @property
     def kind(self) -> str:
         return "mixed" if self.prefill and self.decode else "prefill" if self.prefill else "decode"
+
+
+@dataclass
+class GridTarget:
+    """Where grid steps run: `execute(plan)` on `device` (timing waits for it there), then
+    `forget(ids)` drops the steps' per-request state (the sampler's)."""
+
+    execute: Callable[[StepPlan], Any]
+    forget: Callable[[list[str]], None]
+    device: torch.device
 
 
 @dataclass
@@ -151,23 +161,23 @@ def _plan(point: GridPoint, kv: KVManager, vocab: int, rng: np.random.Generator,
     return plan, ids
 
 
-def time_point(runner: Any, point: GridPoint, kv: KVManager, vocab: int, rng: np.random.Generator,
+def time_point(target: GridTarget, point: GridPoint, kv: KVManager, vocab: int, rng: np.random.Generator,
                tag: str) -> tuple[BatchShape, float]:
     """Wall seconds of one execution of the point's plan (built with fresh block tables)."""
     plan, ids = _plan(point, kv, vocab, rng, tag)
     try:
-        _sync(runner.device)
+        _sync(target.device)
         t0 = time.perf_counter()
-        runner.execute(plan)
-        _sync(runner.device)
+        target.execute(plan)
+        _sync(target.device)
         return SimulatedExecutor.shape(plan), time.perf_counter() - t0
     finally:
         for rid in ids:
             kv.free(rid)
-        runner.sampler.forget(ids)
+        target.forget(ids)
 
 
-def time_grid(runner: Any, points: Sequence[GridPoint], kv: KVManager, vocab: int, repeats: int,
+def time_grid(target: GridTarget, points: Sequence[GridPoint], kv: KVManager, vocab: int, repeats: int,
               rng: np.random.Generator,
               progress: Callable[[int, int], None] | None = None) -> list[tuple[BatchShape, float]]:
     """Median of `repeats` timings per point, after one untimed warm-up pass.
@@ -182,7 +192,7 @@ def time_grid(runner: Any, points: Sequence[GridPoint], kv: KVManager, vocab: in
     total = (repeats + 1) * len(points)
     for r in range(repeats + 1):
         for i, p in enumerate(points):
-            shape, secs = time_point(runner, p, kv, vocab, rng, f"r{r}-g{i}")
+            shape, secs = time_point(target, p, kv, vocab, rng, f"r{r}-g{i}")
             shapes[i] = shape
             if r:  # pass 0 pays for lazy init and first-shape costs
                 times[i].append(secs)
@@ -244,7 +254,7 @@ def fit_relative(samples: Sequence[tuple[BatchShape, float]], **kwargs: Any) -> 
     r2 = 1.0 - float(np.sum((y - a @ coef) ** 2)) / ss_tot if ss_tot > 0 else 1.0
     return ProfileCostModel(coefficients=dict(zip(PROFILE_FEATURES, (float(c) for c in coef))),
                             transfer=cost.transfer, kv_bytes_per_token=cost.kv_bytes_per_token, model=cost.model,
-                            device=cost.device, samples=cost.samples, r2=r2)
+                            device=cost.device, samples=cost.samples, r2=r2, tensor_parallel=cost.tensor_parallel)
 
 
 def device_name(device: torch.device) -> str:
@@ -253,64 +263,129 @@ def device_name(device: torch.device) -> str:
     return f"cpu-{torch.get_num_threads()}t"
 
 
+def _max_context(opts: ProfileOptions, limit: int) -> int:
+    max_ctx = min(opts.max_context or min(limit, 1024), limit)
+    if max_ctx < 17:
+        raise ValueError(f"max context {max_ctx} is too short to profile (need at least 17 tokens)")
+    return max_ctx
+
+
+def _grid_blocks(point: GridPoint, block_size: int) -> int:
+    return sum(-(-t // block_size) for t in point.total_tokens_per_seq())
+
+
+def _fit(samples: list[tuple[BatchShape, float]], transfer_samples: list[tuple[int, int, float]],
+         kv_bytes_per_token: int, model: str, device: str, tensor_parallel: int
+         ) -> tuple[ProfileCostModel, list[float]]:
+    """The relative fit of the grid and the transfer link, and the fit's relative errors."""
+    try:
+        transfer: TransferSpec | list[tuple[int, int, float]] = fit_transfer(transfer_samples)
+    except ValueError as e:  # e.g. timer noise swamped every copy on a tiny model
+        log.warning("transfer fit failed (%s); using the PCIe gen4 default", e)
+        transfer = TransferSpec(25e9, 10e-6)
+    cost = fit_relative(samples, kv_bytes_per_token=kv_bytes_per_token, transfer=transfer, model=model,
+                        device=device, tensor_parallel=tensor_parallel)
+    return cost, [abs(cost.iteration_seconds(shape) - s) / s for shape, s in samples if s > 0]
+
+
 def run_profile(opts: ProfileOptions, progress: Callable[[int, int], None] | None = None) -> ProfileReport:
-    """Load the model, time the grid, measure transfers, fit. `progress(done, total)` per step run."""
+    """Load the model, time the grid, measure transfers, fit. `progress(done, total)` per step run.
+    With tensor_parallel_size > 1 the model runs sharded over worker processes (_profile_parallel)."""
     from tokenslice.model.loader import load_model
     from tokenslice.model.runner import ModelRunner, available_memory_bytes
 
     if opts.max_batch_size < 1 or opts.repeats < 1 or opts.max_tokens_per_step < 16:
         raise ValueError("profile needs max_batch_size >= 1, repeats >= 1 and max_tokens_per_step >= 16")
+    if opts.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {opts.tensor_parallel_size}")
     start = time.perf_counter()
+    if opts.tensor_parallel_size > 1:
+        return _profile_parallel(opts, progress, start)
     loaded = load_model(ModelConfig(model=opts.model, dtype=opts.dtype, device=opts.device, seed=opts.seed))
-    limit = loaded.arch.max_position_embeddings
-    max_ctx = min(opts.max_context or min(limit, 1024), limit)
-    if max_ctx < 17:
-        raise ValueError(f"max context {max_ctx} is too short to profile (need at least 17 tokens)")
+    max_ctx = _max_context(opts, loaded.arch.max_position_embeddings)
     grid = reduce_grid(profile_grid(opts.max_batch_size, max_ctx, opts.max_tokens_per_step), opts.samples)
 
     bs = opts.block_size
     elem = torch.finfo(loaded.dtype).bits // 8
     block_bytes = bs * loaded.arch.kv_bytes_per_token // 4 * elem  # arch counts 4-byte values
     budget = max(int(available_memory_bytes(loaded.device) * KV_MEMORY_SHARE) // block_bytes, 1)
-
-    def blocks(p: GridPoint) -> int:
-        return sum(-(-t // bs) for t in p.total_tokens_per_seq())
-
-    kept = [p for p in grid if blocks(p) <= budget]
+    kept = [p for p in grid if _grid_blocks(p, bs) <= budget]
     if len(kept) < len(grid):
         log.warning("skipping %d grid points that need more KV than %.0f%% of free memory",
                     len(grid) - len(kept), KV_MEMORY_SHARE * 100)
     if len(kept) < 6:
         raise ValueError("too few grid points fit in memory; lower --max-batch-size or --max-context")
-    num_blocks = max(blocks(p) for p in kept)
+    num_blocks = max(_grid_blocks(p, bs) for p in kept)
     runner = ModelRunner(loaded, num_blocks, bs, opts.seed)
     kv = KVManager(bs, num_blocks)
     rng = np.random.default_rng(opts.seed)
 
-    samples = time_grid(runner, kept, kv, loaded.arch.vocab_size, opts.repeats, rng, progress)
-
+    target = GridTarget(runner.execute, runner.sampler.forget, runner.device)
+    samples = time_grid(target, kept, kv, loaded.arch.vocab_size, opts.repeats, rng, progress)
     transfer_samples = measure_transfer(runner.block_bytes, runner.device, repeats=opts.repeats)
-    try:
-        transfer: TransferSpec | list[tuple[int, int, float]] = fit_transfer(transfer_samples)
-    except ValueError as e:  # e.g. timer noise swamped every copy on a tiny model
-        log.warning("transfer fit failed (%s); using the PCIe gen4 default", e)
-        transfer = TransferSpec(25e9, 10e-6)
-    cost = fit_relative(samples, kv_bytes_per_token=runner.block_bytes // bs, transfer=transfer,
-                        model=Path(loaded.name).name or loaded.name, device=device_name(runner.device))
-    errors = [abs(cost.iteration_seconds(shape) - s) / s for shape, s in samples if s > 0]
-    cost = calibrated(cost, engine_calibration(loaded, cost, opts, max_ctx))
+    cost, errors = _fit(samples, transfer_samples, runner.block_bytes // bs, Path(loaded.name).name or loaded.name,
+                        device_name(runner.device), 1)
+    lens = calibration_lengths(opts, max_ctx)
+    engine = _local_engine(loaded, opts, sum(-(-(p + o) // bs) for p, o in lens), max_ctx)
+    cost = calibrated(cost, engine_calibration(engine, cost, lens, loaded.arch.vocab_size, loaded.device))
     return ProfileReport(cost, samples, transfer_samples, time.perf_counter() - start, errors)
 
 
-def engine_calibration(loaded: Any, cost: ProfileCostModel, opts: ProfileOptions, max_ctx: int) -> dict[str, float]:
-    """Calibrate the grid fit against the serving loop: a forward-pass scale, and the loop's own
-    per-step work (scheduling, bookkeeping, detokenization) as a + b * sequences in the step.
+def _profile_parallel(opts: ProfileOptions, progress: Callable[[int, int], None] | None,
+                      start: float) -> ProfileReport:
+    """`run_profile` on a tensor-parallel engine (Engine.from_config, one worker per rank): the grid
+    steps and the calibration burst run on every rank, so their times include the ranks'
+    collectives. Copies are timed in this process on rank 0's device for one rank's share of a
+    block; the ranks copy their shares at once over their own links, so the fit counts the whole
+    block's bytes in that time."""
+    from tokenslice.engine.engine import Engine
+    from tokenslice.model.loader import load_arch, rank_device, resolve_dtype
+    from tokenslice.model.runner import host_block_bytes
 
-    Grid points are timed in isolation and repeated, so caches are warm; the serving loop
-    interleaves its own work with every forward pass. Without this the simulator ran ~30% fast
-    and under-predicted queueing near saturation. The run is a synthetic burst (4 batches of
-    requests, random lengths), fcfs, through the full Engine.
-    """
+    tp = opts.tensor_parallel_size
+    model = ModelConfig(model=opts.model, dtype=opts.dtype, device=opts.device, seed=opts.seed)
+    arch = load_arch(model)
+    max_ctx = _max_context(opts, arch.max_position_embeddings)
+    grid = reduce_grid(profile_grid(opts.max_batch_size, max_ctx, opts.max_tokens_per_step), opts.samples)
+    lens = calibration_lengths(opts, max_ctx)
+    bs = opts.block_size
+    blocks = max(max(_grid_blocks(p, bs) for p in grid), sum(-(-(p + o) // bs) for p, o in lens))
+    engine = Engine.from_config(EngineConfig(
+        model=model, cache=CacheConfig(block_size=bs, kv_cache_blocks=blocks),
+        scheduler=SchedulerConfig(policy="fcfs", max_batch_size=opts.max_batch_size,
+                                  max_tokens_per_step=opts.max_tokens_per_step),
+        parallel=ParallelConfig(tensor_parallel_size=tp)))
+    try:
+        device = rank_device(opts.device, 0)
+        finished: list[str] = []  # forgotten by every rank with the next plan
+
+        def execute(plan: StepPlan) -> Any:
+            plan.finished = finished[:]
+            finished.clear()
+            return engine.executor.execute(plan)
+
+        samples = time_grid(GridTarget(execute, finished.extend, device), grid, KVManager(bs, blocks),
+                            arch.vocab_size, opts.repeats, np.random.default_rng(opts.seed), progress)
+        block = host_block_bytes(arch, bs, resolve_dtype(opts.dtype, arch, device))
+        share = measure_transfer(max(block // tp, 1), device, repeats=opts.repeats)
+        transfer_samples = [(b * tp, ops, s) for b, ops, s in share]
+        cost, errors = _fit(samples, transfer_samples, block // bs, Path(opts.model).name or opts.model,
+                            device_name(device), tp)
+        cost = calibrated(cost, engine_calibration(engine, cost, lens, arch.vocab_size, device))
+    finally:
+        engine.close()
+    return ProfileReport(cost, samples, transfer_samples, time.perf_counter() - start, errors)
+
+
+def calibration_lengths(opts: ProfileOptions, max_ctx: int) -> list[tuple[int, int]]:
+    """(prompt, output) tokens of the calibration burst: 4 batches of random lengths."""
+    rng = np.random.default_rng(opts.seed + 1)
+    return [(int(rng.integers(8, max_ctx // 4)), int(rng.integers(8, max_ctx // 4)))
+            for _ in range(4 * opts.max_batch_size)]
+
+
+def _local_engine(loaded: Any, opts: ProfileOptions, blocks: int, max_ctx: int) -> Any:
+    """An fcfs engine around a fresh runner of `loaded` with `blocks` KV blocks."""
     from tokenslice.clock import RealClock
     from tokenslice.engine.engine import Engine
     from tokenslice.exec.local import LocalExecutor
@@ -318,30 +393,38 @@ def engine_calibration(loaded: Any, cost: ProfileCostModel, opts: ProfileOptions
     from tokenslice.sched.registry import make_policy
     from tokenslice.sched.scheduler import Scheduler
 
-    rng = np.random.default_rng(opts.seed + 1)
-    n = 4 * opts.max_batch_size
-    lens = [(int(rng.integers(8, max_ctx // 4)), int(rng.integers(8, max_ctx // 4))) for _ in range(n)]
     bs = opts.block_size
-    blocks = sum(-(-(p + o) // bs) for p, o in lens)
     cfg = SchedulerConfig(policy="fcfs", max_batch_size=opts.max_batch_size,
                           max_tokens_per_step=opts.max_tokens_per_step)
     runner = ModelRunner(loaded, blocks, bs, opts.seed)
-    eng = Engine(Scheduler(cfg, make_policy("fcfs"), KVManager(bs, blocks)), LocalExecutor(runner),
-                 tokenizer=loaded.tokenizer, clock=RealClock(), max_model_len=max_ctx,
-                 vocab_size=loaded.arch.vocab_size, eos_token_ids=[])
+    return Engine(Scheduler(cfg, make_policy("fcfs"), KVManager(bs, blocks)), LocalExecutor(runner),
+                  tokenizer=loaded.tokenizer, clock=RealClock(), max_model_len=max_ctx,
+                  vocab_size=loaded.arch.vocab_size, eos_token_ids=[])
+
+
+def engine_calibration(eng: Any, cost: ProfileCostModel, lens: Sequence[tuple[int, int]], vocab: int,
+                       device: torch.device) -> dict[str, float]:
+    """Calibrate the grid fit against the serving loop: a forward-pass scale, and the loop's own
+    per-step work (scheduling, bookkeeping, detokenization) as a + b * sequences in the step.
+
+    Grid points are timed in isolation and repeated, so caches are warm; the serving loop
+    interleaves its own work with every forward pass. Without this the simulator ran ~30% fast
+    and under-predicted queueing near saturation. The run is a synthetic burst (`lens`: prompt
+    and output tokens per request), fcfs, through the full Engine `eng`.
+    """
+    rng = np.random.default_rng(len(lens))
     steps: list[tuple[float, float, int]] = []  # (predicted forward, measured forward, sequences)
     execute = eng.executor.execute
 
     def timed(plan: Any) -> Any:
         t = time.perf_counter()
         out = execute(plan)
-        _sync(runner.device)
+        _sync(device)
         steps.append((cost.iteration_seconds(SimulatedExecutor.shape(plan)), time.perf_counter() - t,
                       len(plan.prefill) + len(plan.decode)))
         return out
 
     eng.executor.execute = timed  # type: ignore[method-assign]
-    vocab = loaded.arch.vocab_size
     for i, (p, o) in enumerate(lens):
         ids = [int(x) for x in rng.integers(0, vocab, size=p)]
         eng.add_request(ids, SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True), request_id=f"cal{i}")
@@ -350,6 +433,7 @@ def engine_calibration(loaded: Any, cost: ProfileCostModel, opts: ProfileOptions
         t = time.perf_counter()
         eng.step()
         walls.append(time.perf_counter() - t)
+    eng.executor.execute = execute  # type: ignore[method-assign]
     pred, fwd, seqs = (np.array(x, dtype=float) for x in zip(*steps, strict=True))
     scale = float(fwd.sum() / pred.sum()) if pred.sum() > 0 else 1.0
     overhead = np.array(walls) - fwd
@@ -370,7 +454,8 @@ def calibrated(cost: ProfileCostModel, cal: dict[str, float]) -> ProfileCostMode
 def describe(report: ProfileReport) -> str:
     """Human summary: fit quality, coefficients, key predictions, transfer link."""
     c = report.cost
-    lines = [f"profile of {c.model} on {c.device}: {c.samples} steps in {report.elapsed_s:.1f} s, "
+    sharded = f" over {c.tensor_parallel} tensor-parallel ranks" if c.tensor_parallel > 1 else ""
+    lines = [f"profile of {c.model} on {c.device}{sharded}: {c.samples} steps in {report.elapsed_s:.1f} s, "
              f"r^2 = {c.r2:.4f}" + (f", median relative error {np.median(report.relative_errors):.1%}"
                                     if report.relative_errors else "")]
     lines += [f"  {k:<16} {v:.4g}" + (" s" if k == "base" else " s/unit") for k, v in c.coefficients.items()]
@@ -386,5 +471,5 @@ def describe(report: ProfileReport) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GridPoint", "ProfileReport", "profile_grid", "reduce_grid",
+__all__ = ["GridPoint", "GridTarget", "ProfileReport", "profile_grid", "reduce_grid", "calibration_lengths",
            "time_point", "time_grid", "measure_transfer", "fit_relative", "device_name", "run_profile", "describe"]

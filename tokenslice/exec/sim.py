@@ -42,6 +42,7 @@ class SimulatedExecutor(ImmediateExecutor):
 
     def __init__(self, cost: CostModel, clock: Clock | None = None, block_bytes: int = 0) -> None:
         super().__init__()
+        cost.check_fits()  # a model whose weights overflow each GPU has no time to simulate
         self.cost = cost
         self.clock = clock
         self.block_bytes = block_bytes  # one block as moved over the host link

@@ -7,7 +7,9 @@ Two sources behind one interface:
   takes max(FLOPs / compute rate, bytes / memory bandwidth), plus fixed kernel-launch and
   per-iteration overheads. Efficiency factors are calibrated so that opt-13b on an A100-40GB
   decodes one sequence in ~23 ms and prefills a lone 512-token prompt in ~80 ms, the reference
-  values the project's issues quote.
+  values the project's issues quote. With tensor parallelism (`:tpN`) every GPU computes and
+  reads 1/N of the weights and KV, and the iteration pays Megatron-style ring collectives over
+  the GPU link (`tp_comm_seconds`; `:nvlink` or `:pcie`, default the card's own).
 - `ProfileCostModel` — fitted: a non-negative linear model over batch features measured on this
   machine (ALISE §3.1: iteration time is linear in the batch's token counts), built by
   `fit_profile` from (BatchShape, seconds) samples and stored as JSON.
@@ -85,11 +87,14 @@ class HardwareSpec:
     memory_bandwidth: float  # device memory B/s
     host_link_bandwidth: float  # effective device<->host B/s for KV swap (PCIe)
     memory_bytes: float  # device memory capacity
-    interconnect_bandwidth: float  # GPU<->GPU B/s per direction, for tensor-parallel all-reduce
+    interconnect_bandwidth: float  # GPU<->GPU B/s per direction over the card's own link (NVLink on SXM parts)
     op_overhead_s: float = 4e-6  # per kernel launch: a small decode step is launch-bound
     transfer_op_overhead_s: float = 10e-6  # per cudaMemcpyAsync: why FastSwitch groups blocks
     iteration_overhead_s: float = 0.8e-3  # scheduling, sampling, host sync per iteration
-    allreduce_latency_s: float = 15e-6  # fixed cost of one all-reduce
+    allreduce_latency_s: float = 15e-6  # fixed cost of one all-reduce over the card's own link
+    nvlink: bool = True  # False: the card has no NVLink, interconnect_bandwidth is its PCIe
+    pcie_bandwidth: float = 32e9  # GPU<->GPU B/s per direction over PCIe (gen3 16, gen4 32, gen5 64 GB/s)
+    pcie_allreduce_latency_s: float = 30e-6  # one all-reduce through the PCIe switch / host bridge
     compute_efficiency: float = 0.54  # achieved / peak FLOP/s (calibrated, see module doc)
     memory_efficiency: float = 0.80  # achieved / peak memory bandwidth (calibrated)
 
@@ -135,24 +140,33 @@ class ModelSpec:
 
 
 # Datasheet numbers (dense fp16/bf16 tensor-core peak, HBM bandwidth). Host links are effective
-# rates for pinned copies: PCIe gen3 x16 ~12 GB/s, gen4 ~25 GB/s, gen5 ~50 GB/s.
+# rates for pinned copies: PCIe gen3 x16 ~12 GB/s, gen4 ~25 GB/s, gen5 ~50 GB/s. GPU<->GPU links are
+# per-direction datasheet peaks: NVLink 2/3/4 give 150/300/450 GB/s (V100/A100/H100 SXM, half the
+# bidirectional figure), PCIe x16 gen3/4/5 16/32/64 GB/s. The A10 has no NVLink.
 HARDWARE_SPECS: dict[str, HardwareSpec] = {
     "a100-40gb": HardwareSpec("a100-40gb", matmul_flops=312e12, memory_bandwidth=1.555e12,
                               host_link_bandwidth=25e9, memory_bytes=40e9, interconnect_bandwidth=300e9),
     "a100-80gb": HardwareSpec("a100-80gb", matmul_flops=312e12, memory_bandwidth=2.039e12,
                               host_link_bandwidth=25e9, memory_bytes=80e9, interconnect_bandwidth=300e9),
     "h100": HardwareSpec("h100", matmul_flops=989e12, memory_bandwidth=3.35e12,
-                         host_link_bandwidth=50e9, memory_bytes=80e9, interconnect_bandwidth=450e9),
+                         host_link_bandwidth=50e9, memory_bytes=80e9, interconnect_bandwidth=450e9,
+                         pcie_bandwidth=64e9),
     "v100": HardwareSpec("v100", matmul_flops=125e12, memory_bandwidth=0.9e12,
-                         host_link_bandwidth=12e9, memory_bytes=32e9, interconnect_bandwidth=150e9),
+                         host_link_bandwidth=12e9, memory_bytes=32e9, interconnect_bandwidth=150e9,
+                         pcie_bandwidth=16e9),
     "a10": HardwareSpec("a10", matmul_flops=125e12, memory_bandwidth=0.6e12,
-                        host_link_bandwidth=25e9, memory_bytes=24e9, interconnect_bandwidth=25e9),
+                        host_link_bandwidth=25e9, memory_bytes=24e9, interconnect_bandwidth=32e9,
+                        allreduce_latency_s=30e-6, nvlink=False),
     # FastSwitch's single-GPU setting (§4): an A10 on PCIe 4.0 x16 taken at its 32 GB/s peak, with
     # 10 us per copy call, the cost block groups amortise (FastSwitch §3.1).
     "a10-24gb": HardwareSpec("a10-24gb", matmul_flops=125e12, memory_bandwidth=0.6e12,
-                             host_link_bandwidth=32e9, memory_bytes=24e9, interconnect_bandwidth=25e9,
-                             transfer_op_overhead_s=10e-6),
+                             host_link_bandwidth=32e9, memory_bytes=24e9, interconnect_bandwidth=32e9,
+                             allreduce_latency_s=30e-6, nvlink=False, transfer_op_overhead_s=10e-6),
 }
+# GPU<->GPU links a cost model spec may name (":nvlink" / ":pcie"); none: the card's own.
+LINKS = ("nvlink", "pcie")
+# Share of each GPU's memory the engine may fill with weights and KV (vLLM's gpu_memory_utilization).
+MEMORY_FRACTION = 0.9
 
 _LLAMA_3_8B = ModelSpec("llama-3-8b", num_params=8.03e9, num_layers=32, hidden_size=4096, num_heads=32,
                         num_kv_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
@@ -225,6 +239,10 @@ class CostModel(ABC):
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form; `CostModel.from_dict` inverts it."""
 
+    def check_fits(self) -> None:
+        """ValueError when the model cannot run on the hardware this cost model describes (the
+        simulator refuses it). A measured profile ran, so it fits."""
+
     def first_iteration_seconds(self, prompt_len: int) -> float:
         """A lone prefill of `prompt_len` tokens: FastServe §4.1 skip-join picks the entry queue by it."""
         return self.iteration_seconds(BatchShape.from_lengths(prefill=[(max(prompt_len, 1), 0)]))
@@ -261,12 +279,19 @@ class RooflineCostModel(CostModel):
 
     kind = "roofline"
 
-    def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1) -> None:
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1,
+                 link: str | None = None) -> None:
+        """`link`: the GPU<->GPU link tensor parallelism uses, one of LINKS; None: the card's own."""
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+        if link is not None and link not in LINKS:
+            raise ValueError(f"unknown link {link!r}; choose from {', '.join(LINKS)}")
+        if link == "nvlink" and not hardware.nvlink:
+            raise ValueError(f"{hardware.name} has no NVLink; its GPUs talk over PCIe")
         self.model = model
         self.hardware = hardware
         self.tensor_parallel = tensor_parallel
+        self.link = link or ("nvlink" if hardware.nvlink else "pcie")
         # Each GPU copies its own KV shard over its own host link, so links add up.
         self.transfer = TransferSpec(hardware.host_link_bandwidth * tensor_parallel, hardware.transfer_op_overhead_s)
         self._constants()
@@ -274,6 +299,8 @@ class RooflineCostModel(CostModel):
     @property
     def name(self) -> str:
         suffix = f":tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        if self.tensor_parallel > 1 and self.link == "pcie" and self.hardware.nvlink:
+            suffix += ":pcie"  # only a link other than the card's own is named
         return f"{self.model.name}@{self.hardware.name}{suffix}"
 
     @property
@@ -297,6 +324,15 @@ class RooflineCostModel(CostModel):
         self._head_flops_per_seq = 2.0 * head_params
         self._head_bytes = head_params * m.bytes_per_param
         self._fixed_per_layer = KERNELS_PER_LAYER * hw.op_overhead_s
+        pcie = self.link == "pcie" and hw.nvlink
+        link_bw = hw.pcie_bandwidth if pcie else hw.interconnect_bandwidth
+        self._link_latency = hw.pcie_allreduce_latency_s if pcie else hw.allreduce_latency_s
+        # Ring collectives: an all-reduce moves 2(t-1)/t of the data over each GPU's link, an
+        # all-gather (t-1)/t; seconds per byte of the full tensor.
+        self._allreduce_s_per_byte = 2 * (tp - 1) / tp / link_bw
+        self._gather_s_per_byte = (tp - 1) / tp / link_bw
+        self._act_bytes_per_token = m.hidden_size * m.bytes_per_param
+        self._logit_bytes_per_seq = m.vocab_size * m.bytes_per_param
 
     def iteration_seconds(self, shape: BatchShape) -> float:
         tokens = shape.prefill_tokens + shape.decode_seqs
@@ -310,15 +346,24 @@ class RooflineCostModel(CostModel):
         # token and written for each new token. KV heads are split across GPUs (replicated if fewer).
         attn = self._op_seconds(self._attn_flops_per_pair * (shape.context_tokens + shape.prefill_context),
                                 self._kv_bytes_per_token_layer * (shape.context_tokens + tokens))
-        allreduce = 0.0
-        if tp > 1:
-            # Megatron-style TP: two all-reduces per layer of the activations (ring: 2(t-1)/t of the data).
-            act_bytes = tokens * m.hidden_size * m.bytes_per_param
-            allreduce = 2 * (hw.allreduce_latency_s + 2 * (tp - 1) / tp * act_bytes / hw.interconnect_bandwidth)
-        per_layer = dense + attn + allreduce + self._fixed_per_layer
+        seqs = shape.prefill_seqs + shape.decode_seqs
+        per_layer = dense + attn + self._fixed_per_layer
         # LM head: one logits row per sampled sequence, but the whole vocab matrix is read.
-        head = self._op_seconds(self._head_flops_per_seq * (shape.prefill_seqs + shape.decode_seqs), self._head_bytes)
-        return m.num_layers * per_layer + head + hw.iteration_overhead_s
+        head = self._op_seconds(self._head_flops_per_seq * seqs, self._head_bytes)
+        comm = self.tp_comm_seconds(tokens, seqs) if tp > 1 else 0.0
+        return m.num_layers * per_layer + head + comm + hw.iteration_overhead_s
+
+    def tp_comm_seconds(self, tokens: int, seqs: int) -> float:
+        """Tensor-parallel communication of one iteration (Megatron-LM §3): the vocab-parallel
+        embedding's all-reduce, two all-reduces per layer (after the row-parallel attention output
+        and MLP down projections), and the vocab-parallel LM head's gather of each sampled
+        sequence's logits. 0.0 at tp1."""
+        if self.tensor_parallel == 1 or tokens == 0:
+            return 0.0
+        act = tokens * self._act_bytes_per_token
+        allreduce = self._link_latency + act * self._allreduce_s_per_byte
+        gather = self._link_latency + seqs * self._logit_bytes_per_seq * self._gather_s_per_byte
+        return (2 * self.model.num_layers + 1) * allreduce + gather
 
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
         return self.transfer.seconds(num_bytes, num_ops)
@@ -326,21 +371,34 @@ class RooflineCostModel(CostModel):
     def weight_bytes_per_gpu(self) -> float:
         return self.model.derived_params * self.model.bytes_per_param / self.tensor_parallel
 
-    def kv_capacity_tokens(self, memory_fraction: float = 0.9) -> int:
+    def kv_capacity_tokens(self, memory_fraction: float = MEMORY_FRACTION) -> int:
         """Tokens of KV that fit beside the weights in `memory_fraction` of each GPU's memory."""
         free = self.hardware.memory_bytes * memory_fraction - self.weight_bytes_per_gpu()
         per_token_per_gpu = self.kv_bytes_per_token / self.tensor_parallel
         return max(int(free // per_token_per_gpu), 0)
 
+    def check_fits(self) -> None:
+        """ValueError unless each GPU holds its weight shard with room left for KV."""
+        if self.kv_capacity_tokens() > 0:
+            return
+        hw = self.hardware
+        need = self.weight_bytes_per_gpu() / 1e9
+        fits = next((t for t in (2, 4, 8, 16, 32, 64) if t > self.tensor_parallel and
+                     RooflineCostModel(self.model, hw, t, self.link).kv_capacity_tokens() > 0), None)
+        hint = f"; shard it over more GPUs, e.g. {self.model.name}@{hw.name}:tp{fits}" if fits else ""
+        raise ValueError(f"{self.name} does not fit: {need:.1f} GB of weights per GPU leave no room for KV "
+                         f"in {MEMORY_FRACTION:.0%} of the {hw.memory_bytes / 1e9:.0f} GB of one "
+                         f"{hw.name}{hint}")
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name, "model": asdict(self.model),
-                "hardware": asdict(self.hardware), "tensor_parallel": self.tensor_parallel}
+                "hardware": asdict(self.hardware), "tensor_parallel": self.tensor_parallel, "link": self.link}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RooflineCostModel:
         return cls(ModelSpec(**_known_fields(ModelSpec, data["model"])),
                    HardwareSpec(**_known_fields(HardwareSpec, data["hardware"])),
-                   int(data.get("tensor_parallel", 1)))
+                   int(data.get("tensor_parallel", 1)), data.get("link"))
 
 
 # Feature order of the fitted profile; names are the JSON coefficient keys.
@@ -366,7 +424,11 @@ class ProfileCostModel(CostModel):
 
     def __init__(self, coefficients: dict[str, float], transfer: TransferSpec, kv_bytes_per_token: int,
                  model: str = "unknown", device: str = "unknown", samples: int = 0,
-                 r2: float | None = None) -> None:
+                 r2: float | None = None, tensor_parallel: int = 1) -> None:
+        """`tensor_parallel`: GPUs the measured engine sharded the model over (its iteration times
+        include their collectives; KV bytes per token are the whole model's)."""
+        if tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
         missing = [k for k in PROFILE_FEATURES if k not in coefficients and k not in OPTIONAL_FEATURES]
         if missing:
             raise ValueError(f"profile coefficients missing {missing}; need {list(PROFILE_FEATURES)}")
@@ -378,10 +440,12 @@ class ProfileCostModel(CostModel):
         self.device = device
         self.samples = samples
         self.r2 = r2
+        self.tensor_parallel = tensor_parallel
 
     @property
     def name(self) -> str:
-        return f"{self.model}@{self.device}"
+        suffix = f":tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        return f"{self.model}@{self.device}{suffix}"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -399,7 +463,8 @@ class ProfileCostModel(CostModel):
         return {"kind": self.kind, "model": self.model, "device": self.device,
                 "coefficients": dict(self.coefficients),
                 "transfer": {"bytes_per_s": self.transfer.bytes_per_s, "op_overhead_s": self.transfer.op_overhead_s},
-                "kv_bytes_per_token": self.kv_bytes_per_token, "samples": self.samples, "r2": self.r2}
+                "kv_bytes_per_token": self.kv_bytes_per_token, "samples": self.samples, "r2": self.r2,
+                "tensor_parallel": self.tensor_parallel}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProfileCostModel:
@@ -407,7 +472,8 @@ class ProfileCostModel(CostModel):
         return cls(coefficients=data["coefficients"],
                    transfer=TransferSpec(float(t["bytes_per_s"]), float(t["op_overhead_s"])),
                    kv_bytes_per_token=int(data["kv_bytes_per_token"]), model=data.get("model", "unknown"),
-                   device=data.get("device", "unknown"), samples=int(data.get("samples", 0)), r2=data.get("r2"))
+                   device=data.get("device", "unknown"), samples=int(data.get("samples", 0)), r2=data.get("r2"),
+                   tensor_parallel=int(data.get("tensor_parallel", 1)))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
@@ -462,7 +528,7 @@ def fit_transfer(samples: Sequence[tuple[int, int, float]]) -> TransferSpec:
 
 def fit_profile(samples: Sequence[tuple[BatchShape, float]], *, kv_bytes_per_token: int,
                 transfer: TransferSpec | Sequence[tuple[int, int, float]] | None = None,
-                model: str = "unknown", device: str = "unknown") -> ProfileCostModel:
+                model: str = "unknown", device: str = "unknown", tensor_parallel: int = 1) -> ProfileCostModel:
     """Least-squares fit of iteration seconds on PROFILE_FEATURES with non-negative coefficients.
 
     Non-negativity keeps the model monotone (more work never predicts less time), which the
@@ -488,7 +554,7 @@ def fit_profile(samples: Sequence[tuple[BatchShape, float]], *, kv_bytes_per_tok
         transfer_spec = fit_transfer(transfer)
     return ProfileCostModel(coefficients=dict(zip(PROFILE_FEATURES, (float(c) for c in coef))),
                             transfer=transfer_spec, kv_bytes_per_token=kv_bytes_per_token, model=model,
-                            device=device, samples=len(samples), r2=r2)
+                            device=device, samples=len(samples), r2=r2, tensor_parallel=tensor_parallel)
 
 
 def _known_fields(cls: type, data: dict[str, Any]) -> dict[str, Any]:
@@ -502,19 +568,23 @@ def known_cost_models() -> list[str]:
 
 
 def load_cost_model(spec: str) -> CostModel:
-    """A cost model from "model@hardware[:tpN]" (e.g. "opt-13b@a100-40gb") or a JSON file path."""
+    """A cost model from "model@hardware[:tpN][:nvlink|:pcie]" (e.g. "opt-13b@a100-40gb",
+    "opt-66b@a100-40gb:tp4:pcie") or a JSON file path. The link defaults to the card's own."""
     path = Path(spec)
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise ValueError(f"cost model profile {spec!r} does not exist")
         return CostModel.from_dict(json.loads(path.read_text()))
-    text = spec.strip().lower()
-    tp = 1
-    if ":" in text:
-        text, _, tp_part = text.partition(":")
-        if not (tp_part.startswith("tp") and tp_part[2:].isdigit() and int(tp_part[2:]) >= 1):
-            raise ValueError(f"bad tensor-parallel suffix {tp_part!r} in {spec!r}; use e.g. ':tp4'")
-        tp = int(tp_part[2:])
+    text, *options = spec.strip().lower().split(":")
+    tp, link = 1, None
+    for part in options:
+        if part in LINKS:
+            link = part
+        elif part.startswith("tp") and part[2:].isdigit() and int(part[2:]) >= 1:
+            tp = int(part[2:])
+        else:
+            raise ValueError(f"bad suffix {part!r} in {spec!r}; use ':tpN' (tensor-parallel degree) and "
+                             f"optionally a link, {' or '.join(':' + k for k in LINKS)} (e.g. ':tp4:pcie')")
     model_name, at, hw_name = text.partition("@")
     if not at or model_name not in MODEL_SPECS or hw_name not in HARDWARE_SPECS:
         problem = (f"unknown model {model_name!r}" if at and model_name not in MODEL_SPECS else
@@ -522,4 +592,4 @@ def load_cost_model(spec: str) -> CostModel:
         raise ValueError(f"cannot load cost model {spec!r}: {problem}. Models: {', '.join(MODEL_SPECS)}; "
                          f"hardware: {', '.join(HARDWARE_SPECS)} (e.g. opt-13b@a100-40gb, "
                          f"opt-66b@a100-80gb:tp4)")
-    return RooflineCostModel(MODEL_SPECS[model_name], HARDWARE_SPECS[hw_name], tp)
+    return RooflineCostModel(MODEL_SPECS[model_name], HARDWARE_SPECS[hw_name], tp, link)

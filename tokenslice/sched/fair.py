@@ -6,6 +6,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
+from typing import Any
 
 from tokenslice.config import parse_vtc_weights
 from tokenslice.request import Request
@@ -40,6 +41,15 @@ class PriorityPolicy(LiveSetPolicy):
 
     def ranked(self, now: float) -> Iterator[Request]:
         return (self._live[k[2]] for k in self._keys)
+
+    def describe_queues(self) -> dict[str, Any]:
+        """Priority classes, best first, each in arrival order."""
+        classes: list[dict[str, Any]] = []
+        for priority, _, rid in self._keys:
+            if not classes or classes[-1]["priority"] != priority:
+                classes.append({"priority": priority, "requests": []})
+            classes[-1]["requests"].append(rid)
+        return {"kind": "priority", "classes": classes}
 
 
 class VTCPolicy(Policy):
@@ -143,6 +153,12 @@ class VTCPolicy(Policy):
         no bound is computed and nothing repeats."""
         live = sum(len(q) for q in self._live.values())
         return len(ends) if len(ran) == live else 1
+
+    def describe_queues(self) -> dict[str, Any]:
+        """Active users, least counter (next served) first, each with its requests in arrival order."""
+        users = sorted(self._live.items(), key=lambda kv: self.counters[kv[0]])
+        return {"kind": "vtc", "users": [{"user": u, "counter": self.counters[u], "share": self.share(u),
+                                          "requests": list(queue)} for u, queue in users]}
 
     # ---- order --------------------------------------------------------------------------------
     def _step_service(self, req: Request, budget: int) -> tuple[float, int]:

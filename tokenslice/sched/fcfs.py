@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from tokenslice.request import Request
 from tokenslice.sched.policy import LiveSetPolicy, PolicyContext
@@ -31,6 +32,11 @@ class RequestLevelPolicy(FCFSPolicy):
     def on_finish(self, req: Request) -> None:
         super().on_finish(req)
         self._batch.pop(req.request_id, None)
+
+    def describe_queues(self) -> dict[str, Any]:
+        """The static batch, then the queue that waits for all of it to finish."""
+        return {"kind": "request-level", "batch": list(self._batch),
+                "order": [rid for rid in self._live if rid not in self._batch]}
 
     def ranked(self, now: float) -> Iterable[Request]:
         if not self._batch:

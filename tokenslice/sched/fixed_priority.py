@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from typing import Any
 
 from tokenslice.request import Request
 from tokenslice.sched.policy import LiveSetPolicy, SortedKeys
@@ -28,3 +29,7 @@ class FixedPriorityPolicy(LiveSetPolicy):
 
     def ranked(self, now: float) -> Iterable[Request]:
         return (self._live[k[3]] for k in self._keys)
+
+    def describe_queues(self) -> dict[str, Any]:
+        return {"kind": "sorted", "key": "prompt_tokens",
+                "order": [{"id": k[3], "prompt_tokens": k[0]} for k in self._keys]}

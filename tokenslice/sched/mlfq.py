@@ -5,6 +5,7 @@ import bisect
 import heapq
 import itertools
 from collections.abc import Iterable
+from typing import Any
 
 from tokenslice.request import Request
 from tokenslice.sched.policy import Policy, PolicyContext, queue_position_estimates
@@ -216,6 +217,13 @@ class SkipJoinMLFQPolicy(Policy):
     def ranked(self, now: float) -> Iterable[Request]:
         self._promote_starving(now)
         return itertools.chain.from_iterable(q.values() for q in self.queues if q)
+
+    def describe_queues(self) -> dict[str, Any]:
+        """Every queue with its quantum, and each job's quantum left at its level."""
+        return {"kind": "mlfq", "starvation_limit_s": self.starvation_limit,
+                "queues": [{"level": i, "quantum_s": q,
+                            "requests": [{"id": rid, "quantum_left_s": self.budget[rid]} for rid in self.queues[i]]}
+                           for i, q in enumerate(self.quanta)]}
 
     def top_queue_jobs(self, k: int) -> Iterable[Request]:
         """Jobs of the top k queues (FastServe §4.2 burst reserve counts them)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.predict.cost import CostModel
@@ -104,6 +105,14 @@ class Policy:
         KV tokens can keep until they finish; only those are uploaded. None: no limit."""
         return None
 
+    # ---- live view ------------------------------------------------------------------------------
+    def describe_queues(self) -> dict[str, Any]:
+        """The policy's queues in its own terms as plain data (sched/snapshot.py): a "kind" and
+        request ids with the numbers the order is made of, best first; never text or tokens.
+        Reads only (`ranked` may change state, e.g. promote starving jobs, so it is not called).
+        Default: nothing known beyond the kind."""
+        return {"kind": "none"}
+
 
 def queue_position_estimates(ranked: list[Request], remaining_s: dict[str, float], batch: int) -> dict[str, float]:
     """Seconds until each request runs, if jobs ahead of it run `remaining_s` each, `batch` at a
@@ -169,3 +178,7 @@ class LiveSetPolicy(Policy):
 
     def stable_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> int:
         return len(ends)
+
+    def describe_queues(self) -> dict[str, Any]:
+        """One queue in arrival order: fcfs's ranking (subclasses that rank otherwise override)."""
+        return {"kind": "fifo", "order": list(self._live)}

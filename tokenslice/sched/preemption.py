@@ -40,6 +40,10 @@ class Recompute:
         self.swap_in = SwapInChoice(config.swap_in, config.swap_in_async_fraction, self.async_swap_in)
         self._async_blocks: dict[str, int] = {}  # blocks of each async copy in flight, for its statistics
 
+    def reserved_blocks(self) -> int:
+        """Free device blocks kept for a burst (FastServe §4.2); none outside proactive-swap."""
+        return 0
+
     # ---- one plan ---------------------------------------------------------------------------
     def begin_plan(self, now: float) -> None:
         self._now, self._enst = now, None

@@ -27,6 +27,9 @@ class ProactiveSwap(ReactiveSwap):
         self._prompt_tokens += req.num_prompt_tokens
         self._num_arrivals += 1
 
+    def reserved_blocks(self) -> int:
+        return self.reserve
+
     def fast_forward_room(self, free_blocks: int) -> int:
         # Crossing into the burst reserve starts offloads: an event.
         return free_blocks - self.reserve if free_blocks >= self.reserve else free_blocks

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from typing import Any
 
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext, SortedKeys, queue_position_estimates
@@ -197,6 +198,12 @@ class SpeculativeSRPTPolicy(Policy):
 
     def ranked(self, now: float) -> Iterable[Request]:
         return (self._live[k[3]] for k in self._keys)
+
+    def describe_queues(self) -> dict[str, Any]:
+        """Jobs by aged estimated remaining time, with their current predictions (ALISE §3.1)."""
+        return {"kind": "srpt", "aging": self.aging,
+                "order": [{"id": k[3], "predicted_output_tokens": self.predicted[k[3]], "remaining_s": self._rem[k[3]]}
+                          for k in self._keys]}
 
     # ---- swap ordering and memory hints (ALISE §3.2) ------------------------------------------
     def next_run_estimates(self, now: float) -> dict[str, float]:

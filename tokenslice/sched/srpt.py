@@ -2,6 +2,8 @@
 (the bound every other policy is compared with)."""
 from __future__ import annotations
 
+from typing import Any
+
 from tokenslice.request import Request
 from tokenslice.sched.policy import LiveSetPolicy, PolicyContext
 
@@ -23,3 +25,8 @@ class SRPTOraclePolicy(LiveSetPolicy):
         # Remaining output tokens first (what SRPT orders by), prompt work and arrival break ties.
         return sorted(self._live.values(),
                       key=lambda r: (self.remaining_output_tokens(r), r.num_uncomputed_tokens, r.arrival_time))
+
+    def describe_queues(self) -> dict[str, Any]:
+        return {"kind": "sorted", "key": "remaining_output_tokens",
+                "order": [{"id": r.request_id, "remaining_output_tokens": self.remaining_output_tokens(r)}
+                          for r in self.ranked(0.0)]}
