@@ -141,3 +141,10 @@ def test_logprobs_off_reports_none():
     with LLM(str(STORIES)) as llm:
         out = llm.generate([SHORT[1]], SamplingParams(max_tokens=3))[0]
     assert out.logprobs is None and out.prompt_logprobs is None and out.cumulative_logprob is None
+
+
+def test_tensor_parallel_reports_the_same_logprobs(reference):
+    # -tp 2: the workers' StepResult carries them across to the engine process unchanged.
+    with LLM(str(STORIES), dtype="float32", tensor_parallel_size=2) as llm:
+        out = llm.generate([LONG[2]], ASK)[0]
+    _check(reference, LONG[2], out.token_ids, out.logprobs, out.prompt_logprobs)
