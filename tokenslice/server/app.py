@@ -528,6 +528,9 @@ class Server:
             raise APIError(400, f"best_of must be at least n ({body.n}), got {copies}", param="best_of")
         if body.stream and copies > body.n:
             raise APIError(400, "best_of > n cannot be streamed: the best are known only at the end", param="best_of")
+        if body.stream and body.prompt_logprobs is not None and not body.echo:
+            raise APIError(400, "prompt_logprobs cannot be streamed; use echo with logprobs, or stream false",
+                           param="prompt_logprobs")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         if max_tokens == 0 and not body.echo:
             raise APIError(400, "max_tokens 0 is only allowed with echo (the prompt and its logprobs)",

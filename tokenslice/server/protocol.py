@@ -61,13 +61,20 @@ Hint = _int(ge=HINT_MIN, le=HINT_MAX)
 NonNegativeHint = _int(ge=0, le=HINT_MAX)
 
 
-# Request fields accepted and ignored when a request model does not declare them (README, "Request
+# Request fields accepted and ignored when a request model does not declare them (README, "Strict
 # fields"): OpenAI's stored-completion bookkeeping (`metadata`, `store`) and `service_tier`, which
-# change nothing on a self-hosted server, and fields that were accepted without effect before
-# unknown fields were refused and keep that behaviour (`best_of`, `prompt_logprobs`, `top_logprobs`
-# on completions, `echo` on chat), so existing clients keep working.
-IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "best_of", "prompt_logprobs", "top_logprobs",
-                            "echo"})
+# change nothing on a self-hosted server.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier"})
+# Fields a route does not implement (`top_logprobs` on completions, `echo`, `best_of`,
+# `prompt_logprobs` on chat) that clients send with a value meaning "off": accepted with that
+# value only, any other value is refused with a 400 naming the field.
+NO_OP_VALUES: dict[str, tuple[object, ...]] = {"top_logprobs": (None,), "echo": (None, False),
+                                               "best_of": (None, 1), "prompt_logprobs": (None,)}
+
+
+def _is_no_op(value: object, no_ops: tuple[object, ...]) -> bool:
+    # Same type as well as equal: `best_of: true` is not 1, nor `echo: 0` false.
+    return any(type(value) is type(v) and value == v for v in no_ops)
 
 
 class _Strict(BaseModel):
@@ -129,9 +136,11 @@ class SamplingFields(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _drop_ignored(cls, data: Any) -> Any:
-        if isinstance(data, dict) and not IGNORED_FIELDS.isdisjoint(data):
-            return {k: v for k, v in data.items() if k not in IGNORED_FIELDS or k in cls.model_fields}
-        return data
+        if not isinstance(data, dict):
+            return data
+        drop = {k for k in data if k not in cls.model_fields
+                and (k in IGNORED_FIELDS or _is_no_op(data[k], NO_OP_VALUES.get(k, ())))}
+        return {k: v for k, v in data.items() if k not in drop} if drop else data
 
 
 class CompletionRequest(SamplingFields):
