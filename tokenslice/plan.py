@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tokenslice.request import SamplingParams, TokenLogprobs
+from tokenslice.request import Request, SamplingParams, TokenLogprobs
 
 
 Direction = Literal["out", "in"]  # of a KV swap. out: device -> host; in: host -> device
@@ -38,6 +38,17 @@ class SeqSlice:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+
+
+def request_slice(req: Request, start: int, chunk: int, block_table: list[int], sample: bool) -> SeqSlice:
+    """`req`'s share of a step: positions start..start+chunk-1, sampling after them if `sample`
+    (never for a prompt-only request, max_tokens 0). Marks the prompt logprobs it will report."""
+    s = SeqSlice(req.request_id, req.token_ids(start, start + chunk), start, block_table,
+                 sample and req.params.max_tokens > 0, req.params, len(req.output_token_ids), req.eos_token_id)
+    s.prompt_logprob_offset, s.prompt_logprob_targets = req.take_prompt_logprob_targets(start, chunk)
+    if s.sample and req.params.penalized:  # the runner sees only this step's tokens
+        s.history_token_ids = req.prompt_token_ids + req.output_token_ids
+    return s
 
 @dataclass
 class BlockTransfer:

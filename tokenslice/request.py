@@ -248,6 +248,12 @@ class Request:
         """Prompt logprobs are asked for and not all reported: its prompt must really be computed."""
         return self.params.prompt_logprobs is not None and self.next_prompt_logprob < len(self.prompt_token_ids)
 
+    def mark_running(self, now: float) -> None:
+        """Chosen for a step; the first time is its first scheduling (queueing delay ends)."""
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = now
+        self.state = RequestState.RUNNING
+
     def waits_for(self, leader: Request | None) -> bool:
         """Whether it waits for its live prefix leader to compute the prompt they share, so as to
         attach that KV from the prefix cache (it would compute it itself if it could not attach)."""

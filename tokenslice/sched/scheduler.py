@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.kv.manager import KVManager, PrefixHit
-from tokenslice.plan import SeqSlice, StepPlan, StepResult
+from tokenslice.plan import StepPlan, StepResult, request_slice
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES
@@ -175,17 +175,9 @@ class Scheduler:
         return True
 
     def _add_slice(self, req: Request, computed: int, chunk: int, sample: bool, plan: StepPlan, now: float) -> None:
-        rid = req.request_id
-        s = SeqSlice(rid, req.token_ids(computed, computed + chunk), computed, self.kv.block_table(rid),
-                     sample and req.params.max_tokens > 0, req.params, len(req.output_token_ids), req.eos_token_id)
-        s.prompt_logprob_offset, s.prompt_logprob_targets = req.take_prompt_logprob_targets(computed, chunk)
-        if s.sample and req.params.penalized:  # the runner sees only this step's tokens
-            s.history_token_ids = req.prompt_token_ids + req.output_token_ids
+        s = request_slice(req, computed, chunk, self.kv.block_table(req.request_id), sample)
         (plan.decode if chunk == 1 else plan.prefill).append(s)
-        if req.state is not RequestState.RUNNING:
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-            req.state = RequestState.RUNNING
+        req.mark_running(now)
 
     def _resolve_stall(self, ranked: list[Request], now: float) -> None:
         """Nothing could run: one request holds the whole pool and cannot grow (two holders
