@@ -236,13 +236,13 @@ def _assert_400(exc: pytest.ExceptionInfo[openai.BadRequestError], param: str | 
     (dict(temperature="hot"), "temperature"),
     (dict(temperature=-1), "temperature"),
     (dict(top_p=0), "top_p"),
-    (dict(n=2), "n"),
-    (dict(logprobs=2), "logprobs"),
+    (dict(n=0), "n"),
+    (dict(logprobs=21), "logprobs"),
     (dict(stop=[""]), "stop"),
     (dict(prompt="x" * 300), "prompt"),  # longer than --max-model-len 256
     (dict(prompt=[1, 2, 999999]), "prompt"),  # not in the vocabulary
     (dict(prompt=""), "prompt"),
-    (dict(prompt=["a", "b"]), "prompt"),
+    (dict(prompt=["a", ""]), "prompt"),
     (dict(seed=2**70), "seed"),
     (dict(extra_body={"min_tokens": 50}), "min_tokens"),
     (dict(extra_body={"priority": "high"}), "priority"),
@@ -262,7 +262,7 @@ def test_completion_invalid_fields(client: openai.OpenAI, kwargs: dict, param: s
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), "messages"),
     (dict(max_completion_tokens=0), "max_completion_tokens"),
     (dict(stream_options={"include_usage": True}), "stream_options"),  # without stream
-    (dict(logprobs=True), "logprobs"),
+    (dict(logprobs="yes"), "logprobs"),
 ])
 def test_chat_invalid_fields(client: openai.OpenAI, kwargs: dict, param: str | None) -> None:
     args = dict(model=MODEL, messages=MESSAGES, max_tokens=4) | kwargs

@@ -164,6 +164,25 @@ def test_unknown_message_field_is_400(chat_srv: RunningServer) -> None:
     assert "tool_calls" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("route, field, value", [
+    ("/v1/completions", "top_logprobs", 2), ("/v1/chat/completions", "echo", True),
+    ("/v1/chat/completions", "best_of", 2), ("/v1/chat/completions", "prompt_logprobs", 1),
+    ("/v1/chat/completions", "best_of", True)])
+def test_unimplemented_field_switched_on_is_400(srv: RunningServer, chat_srv: RunningServer, route: str,
+                                                field: str, value: object) -> None:
+    """Accepted only with the value that means off; any value that would change the answer is refused."""
+    body = ({"prompt": PROMPT} if route == "/v1/completions" else {"messages": [{"role": "user", "content": "Hi"}]})
+    server = srv if route == "/v1/completions" else chat_srv
+    r = httpx.post(server.url(route), json=body | {"max_tokens": 2, field: value}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_streamed_prompt_logprobs_without_echo_is_400(srv: RunningServer) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": True, "prompt_logprobs": 1}
+    r = httpx.post(srv.url("/v1/completions"), json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
 @pytest.mark.parametrize("field, value", [("metadata", {"k": "v"}), ("store", False), ("service_tier", "auto"),
                                           ("best_of", 1), ("prompt_logprobs", None), ("top_logprobs", None),
                                           ("user", "alice"), ("logprobs", None), ("echo", False)])

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tokenslice.request import SamplingParams
+from tokenslice.request import Request, SamplingParams, TokenLogprobs
 
 
 Direction = Literal["out", "in"]  # of a KV swap. out: device -> host; in: host -> device
@@ -26,6 +26,10 @@ class SeqSlice:
     params: SamplingParams
     num_output_tokens: int  # before this step; for min_tokens
     eos_token_id: int | None = None
+    # Prompt logprobs to report: the log-probability of each target (the next prompt token) at
+    # slice rows prompt_logprob_offset.. (positions already reported, e.g. before a recompute, are left out).
+    prompt_logprob_targets: list[int] = field(default_factory=list)
+    prompt_logprob_offset: int = 0
     # Prompt + output token ids so far, only for a sampling slice whose params need them
     # (penalties): the runner cannot rebuild them (earlier steps, prefix-cache hits, recompute).
     history_token_ids: list[int] = field(default_factory=list)
@@ -34,6 +38,17 @@ class SeqSlice:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
+
+
+def request_slice(req: Request, start: int, chunk: int, block_table: list[int], sample: bool) -> SeqSlice:
+    """`req`'s share of a step: positions start..start+chunk-1, sampling after them if `sample`
+    (never for a prompt-only request, max_tokens 0). Marks the prompt logprobs it will report."""
+    s = SeqSlice(req.request_id, req.token_ids(start, start + chunk), start, block_table,
+                 sample and req.params.max_tokens > 0, req.params, len(req.output_token_ids), req.eos_token_id)
+    s.prompt_logprob_offset, s.prompt_logprob_targets = req.take_prompt_logprob_targets(start, chunk)
+    if s.sample and req.params.penalized:  # the runner sees only this step's tokens
+        s.history_token_ids = req.prompt_token_ids + req.output_token_ids
+    return s
 
 @dataclass
 class BlockTransfer:
@@ -100,3 +115,7 @@ class StepResult:
     # Copy seconds of the reported transfers that were measured (request id -> seconds, queueing
     # excluded): swap statistics for the adaptive swap-in choice (FastSwitch §3.2).
     transfer_durations: dict[str, float] = field(default_factory=dict)
+    # Only for slices whose params ask (SamplingParams.logprobs / prompt_logprobs): the sampled
+    # token's, and the prompt positions of SeqSlice.prompt_logprob_targets.
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)

@@ -13,6 +13,7 @@ class RequestState(enum.Enum):
     ABORTED = "aborted"
 
 
+MAX_LOGPROBS = 20  # alternatives per position, as vLLM's default max_logprobs and OpenAI's top_logprobs
 MAX_PENALTY = 2.0  # presence / frequency, as OpenAI bounds them
 # Past these bounds a repeated token is as good as banned (or forced) anyway; closer to 0, dividing
 # a float32 logit by the penalty overflows to inf.
@@ -50,10 +51,22 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep a matched stop string (or stop token) in the text
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Log-probabilities from the model's raw logits (before temperature and any other logit
+    # processing, as vLLM reports them): the top `logprobs` alternatives of each sampled token
+    # (0: the sampled token's alone), and of each prompt token (`prompt_logprobs`). None: off.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        # 0 only computes the prompt's logprobs (vLLM's echo without generation): it finishes
+        # with "length" after prefill.
+        if not isinstance(self.max_tokens, int) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise InvalidRequestError(f"max_tokens must be at least 1 (0 only with prompt_logprobs), got "
+                                      f"{self.max_tokens}", "max_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}", name)
         if not self.temperature >= 0 or self.temperature == float("inf"):  # also refuses NaN
             raise InvalidRequestError(f"temperature must be a finite non-negative number, got {self.temperature}",
                                       "temperature")
@@ -103,6 +116,28 @@ class SamplingParams:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities at consecutive positions: the token there and its log-probability, and
+    the `k` most likely tokens with theirs (best first). Plain lists: crosses process borders."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # prompt positions only: 1 = most likely token
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def extend(self, other: TokenLogprobs) -> None:
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.ranks += other.ranks
+        self.top_token_ids += other.top_token_ids
+        self.top_logprobs += other.top_logprobs
+
+
+@dataclass
 class RequestMetrics:
     """Timestamps (clock seconds) and counters kept for every request."""
 
@@ -144,6 +179,7 @@ class EngineRequest:
     predicted_output_tokens: int | None = None  # an output-length prediction made upstream
     eos_after: int | None = None  # trace replay: stop as at an EOS after this many tokens (Request.eos_after)
     cache_prefix: bool = True  # Request.cache_prefix
+    prefix_leader: str | None = None  # Request.prefix_leader
 
 
 class Request:
@@ -174,6 +210,13 @@ class Request:
         # Its KV may be shared through the prefix cache: false for placeholder prompts (a
         # simulated trace without token ids), whose equal ids do not mean equal text.
         self.cache_prefix = True
+        # A sibling sample (n > 1) of the same prompt: it waits until this request's prompt KV is
+        # computed, then starts from it through the prefix cache instead of computing it again.
+        self.prefix_leader: str | None = None
+        # The next prompt position whose logprob is due (prompt_logprobs): a recompute runs
+        # positions again, and each is reported once.
+        self.next_prompt_logprob = 1
+        self.cumulative_logprob = 0.0  # of the sampled tokens, when their logprobs are computed
         self.metrics = RequestMetrics(arrival_time=arrival_time)
 
     @property
@@ -199,6 +242,35 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not all reported: its prompt must really be computed."""
+        return self.params.prompt_logprobs is not None and self.next_prompt_logprob < len(self.prompt_token_ids)
+
+    def mark_running(self, now: float) -> None:
+        """Chosen for a step; the first time is its first scheduling (queueing delay ends)."""
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = now
+        self.state = RequestState.RUNNING
+
+    def waits_for(self, leader: Request | None) -> bool:
+        """Whether it waits for its live prefix leader to compute the prompt they share, so as to
+        attach that KV from the prefix cache (it would compute it itself if it could not attach)."""
+        return (leader is not None and leader.num_computed_tokens < leader.num_prompt_tokens
+                and self.cache_prefix and leader.cache_prefix and not self.needs_prompt_logprobs)
+
+    def take_prompt_logprob_targets(self, start: int, n: int) -> tuple[int, list[int]]:
+        """For a slice computing positions start..start+n-1: (its first row to report, the prompt
+        tokens those rows predict), marked reported. Row j predicts the token at j + 1."""
+        if self.params.prompt_logprobs is None:
+            return 0, []
+        first = max(start, self.next_prompt_logprob - 1)
+        end = min(start + n, len(self.prompt_token_ids) - 1)
+        if first >= end:
+            return 0, []
+        self.next_prompt_logprob = end + 1
+        return first - start, self.prompt_token_ids[first + 1:end + 1]
 
     def stop_reason(self, tok: int) -> str | None:
         """Why the request stops after sampling `tok` (its last output token), or None."""
@@ -255,6 +327,11 @@ class RequestOutput:
     num_output_tokens: int = 0
     metrics: RequestMetrics | None = None
     user: str | None = None  # the request's OpenAI `user` (per-user metrics)
+    # When SamplingParams asks: of new_token_ids, and of the prompt positions computed since the
+    # last output (in order, from position 1; the first prompt token has none).
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
+    cumulative_logprob: float | None = None  # of all sampled tokens so far, with logprobs on
 
 
 @dataclass
@@ -268,3 +345,6 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     metrics: RequestMetrics
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
+    cumulative_logprob: float | None = None

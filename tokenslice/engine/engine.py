@@ -22,7 +22,7 @@ from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestError, Request, RequestOutput,
-                                SamplingParams)
+                                SamplingParams, TokenLogprobs)
 from tokenslice.predict.cost import CostModel, load_cost_model
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
@@ -158,6 +158,9 @@ class Engine:
         self.max_fast_forward_steps = 4096
         self.length_predictor: Any | None = None  # predict.length.LengthPredictor, for srpt-predicted
         self._prompt_text: dict[str, str] = {}
+        # Logprobs computed since a request's last output (sampled token, prompt positions).
+        self._logprobs: dict[str, TokenLogprobs] = {}
+        self._prompt_logprobs: dict[str, TokenLogprobs] = {}
         # Off in the engine-core process: the API server detokenizes and applies stop strings there.
         self.detokenize = True
 
@@ -279,6 +282,7 @@ class Engine:
         req.max_total_tokens = self.max_model_len
         req.eos_after = new.eos_after
         req.cache_prefix = new.cache_prefix
+        req.prefix_leader = new.prefix_leader
         if self.length_predictor is not None and self.tokenizer is not None:
             self._predict_length(req, prompt_text)
         self.scheduler.add(req, now)
@@ -318,6 +322,8 @@ class Engine:
 
     def abort_request(self, request_id: str) -> bool:
         self._detok.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
         return self.scheduler.abort(request_id, self.clock.now()) is not None
 
     def has_unfinished(self) -> bool:
@@ -362,6 +368,9 @@ class Engine:
         self.num_steps += 1
         now = self.clock.now()
         produced = self.scheduler.update(plan, result, now)
+        for pending, new in ((self._logprobs, result.logprobs), (self._prompt_logprobs, result.prompt_logprobs)):
+            for rid, lp in new.items():
+                pending.setdefault(rid, TokenLogprobs()).extend(lp)
         if self._detok:
             for req in produced:
                 det = self._detok.get(req.request_id)
@@ -420,8 +429,16 @@ class Engine:
         det = self._detok.pop(req.request_id, None) if done else self._detok.get(req.request_id)
         if det is not None and done:
             det.add([], final=True)  # release bytes held back waiting for a character to complete
-        return RequestOutput(req.request_id, new_ids, det.delta(done) if det else "", done,
-                             req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, req.metrics, req.user)
+        rid = req.request_id
+        out = RequestOutput(rid, new_ids, det.delta(done) if det else "", done,
+                            req.finish_reason, req.num_prompt_tokens, req.num_output_tokens, req.metrics, req.user)
+        out.prompt_logprobs = self._prompt_logprobs.pop(rid, None)
+        if req.params.logprobs is not None:
+            out.logprobs = self._logprobs.pop(rid, None)
+            if out.logprobs is not None:
+                req.cumulative_logprob += sum(out.logprobs.logprobs)
+            out.cumulative_logprob = req.cumulative_logprob
+        return out
 
     def replay(self, trace: list[TraceItem], *, on_finish: Any = None,
                priority_updates: PriorityUpdates | None = None,
@@ -503,11 +520,26 @@ class Engine:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
-        texts = {r.request_id: "" for r in reqs}
+        results = {r.request_id: CompletionOutput(r.request_id, p if isinstance(p, str) else None, r.prompt_token_ids,
+                                                  "", [], None, r.metrics)
+                   for r, p in zip(reqs, prompts, strict=True)}
         while any(not r.is_finished for r in reqs):
             for out in self.step():
-                if out.request_id in texts:
-                    texts[out.request_id] += out.text_delta
-        return [CompletionOutput(r.request_id, p if isinstance(p, str) else None, r.prompt_token_ids,
-                                 texts[r.request_id], list(r.output_token_ids), r.finish_reason, r.metrics)
-                for r, p in zip(reqs, prompts, strict=True)]
+                res = results.get(out.request_id)
+                if res is not None:
+                    res.text += out.text_delta
+                    res.logprobs = _joined(res.logprobs, out.logprobs)
+                    res.prompt_logprobs = _joined(res.prompt_logprobs, out.prompt_logprobs)
+                    res.cumulative_logprob = out.cumulative_logprob
+        for r in reqs:
+            res = results[r.request_id]
+            res.token_ids, res.finish_reason = list(r.output_token_ids), r.finish_reason
+        return list(results.values())
+
+
+def _joined(acc: TokenLogprobs | None, part: TokenLogprobs | None) -> TokenLogprobs | None:
+    if part is None:
+        return acc
+    acc = acc if acc is not None else TokenLogprobs()
+    acc.extend(part)
+    return acc

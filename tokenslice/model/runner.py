@@ -27,6 +27,7 @@ from tokenslice.model.arch import ArchConfig
 from tokenslice.model.attention import build_metadata
 from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quantize_blocks, quantized_block_bytes
 from tokenslice.model.loader import LoadedModel
+from tokenslice.model.logprobs import prompt_logprobs, token_logprobs
 from tokenslice.model.sampler import Sampler
 from tokenslice.model.transfer import TransferEngine
 from tokenslice.plan import BlockTransfer, Direction, StepPlan, StepResult, copy_runs
@@ -139,17 +140,21 @@ class ModelRunner:
             transfer_seconds = time.perf_counter() - t1
         if plan.async_transfers:
             self._start_async(plan.async_transfers)
-        sampled = {} if plan.is_empty else self._compute(plan)
+        result = StepResult(transfer_seconds=transfer_seconds)
+        if not plan.is_empty:
+            self._compute(plan, result)
         done: list[str] = []
         if self._engine is not None:
             done = self._engine.poll()
             if plan.is_empty and not done and self._engine.pending():
                 done = self._engine.wait_any(self.idle_wait_s)  # nothing to compute: do not spin
-        durations = {rid: self._async_seconds.pop(rid) for rid in done if rid in self._async_seconds}
-        return StepResult(sampled=sampled, step_seconds=time.perf_counter() - t0,
-                          transfer_seconds=transfer_seconds, transfers_done=done, transfer_durations=durations)
+        result.transfer_durations = {rid: self._async_seconds.pop(rid) for rid in done if rid in self._async_seconds}
+        result.transfers_done = done
+        result.step_seconds = time.perf_counter() - t0
+        return result
 
-    def _compute(self, plan: StepPlan) -> dict[str, int]:
+    def _compute(self, plan: StepPlan, result: StepResult) -> None:
+        """One forward pass; fills result.sampled and the logprobs of the slices that ask."""
         t0 = time.perf_counter()
         slices = plan.decode + plan.prefill
         ids: list[int] = []
@@ -163,16 +168,29 @@ class ModelRunner:
         last, sampling = [], []
         end = 0
         for s in slices:
+            if s.prompt_logprob_targets:
+                rows = range(end + s.prompt_logprob_offset, end + s.prompt_logprob_offset + len(s.prompt_logprob_targets))
+                result.prompt_logprobs[s.request_id] = prompt_logprobs(
+                    hidden, list(rows), s.prompt_logprob_targets, s.params.prompt_logprobs or 0,
+                    self.model.compute_logits)
             end += s.num_tokens
             if s.sample:
                 last.append(end - 1)
                 sampling.append(s)
-        sampled: dict[str, int] = {}
-        if sampling:
-            logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]).float()
-            for s, tok in zip(sampling, self.sampler.sample(logits, sampling), strict=True):
-                sampled[s.request_id] = tok
-        return sampled
+        if not sampling:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]).float()
+        asks = [i for i, s in enumerate(sampling) if s.params.logprobs is not None]
+        # Raw logits, copied before the sampler processes them in place.
+        raw = logits[torch.tensor(asks, device=self.device)] if asks else None
+        tokens = self.sampler.sample(logits, sampling)
+        for s, tok in zip(sampling, tokens, strict=True):
+            result.sampled[s.request_id] = tok
+        if raw is not None:
+            chosen = torch.tensor([tokens[i] for i in asks], device=self.device)
+            lps = token_logprobs(raw, chosen, [sampling[i].params.logprobs or 0 for i in asks])
+            for i, lp in zip(asks, lps, strict=True):
+                result.logprobs[sampling[i].request_id] = lp
 
     # ---- KV swapping --------------------------------------------------------------------------
     def swap(self, pairs: Sequence[tuple[int, int]], direction: Direction) -> None:

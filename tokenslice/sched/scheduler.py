@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.kv.manager import KVManager, PrefixHit
-from tokenslice.plan import SeqSlice, StepPlan, StepResult
+from tokenslice.plan import StepPlan, StepResult, request_slice
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES
@@ -125,7 +125,7 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             holds_kv = computed > 0
-            if (admission_blocked and not holds_kv) or rid in dropped:
+            if (admission_blocked and not holds_kv) or rid in dropped or (not holds_kv and self._follows(req)):
                 continue
             on_host = kv.residency(rid) == "host"
             loads = on_host or not holds_kv  # its KV must be loaded: prefilled, recomputed or swapped in
@@ -155,9 +155,13 @@ class Scheduler:
 
     def _attach_prefix(self, req: Request) -> PrefixHit | None:
         """A new request starts from its longest cached prefix: only the rest is computed (vLLM)."""
-        if self.kv.prefix is None or not req.cache_prefix:
+        if self.kv.prefix is None or not req.cache_prefix or req.needs_prompt_logprobs:  # those need the logits
             return None
         return self.kv.attach_prefix(req.request_id, req.num_tokens, req.token_ids)
+
+    def _follows(self, req: Request) -> bool:
+        """A sibling sample waits while its leader computes their prompt, then attaches it (prefix cache)."""
+        return self.kv.prefix is not None and req.waits_for(self.requests.get(req.prefix_leader or ""))
 
     def _start_from_prefix(self, req: Request, hit: PrefixHit, plan: StepPlan) -> bool:
         """The request runs from its cached prefix, counted as computed (vLLM); the part found
@@ -171,16 +175,9 @@ class Scheduler:
         return True
 
     def _add_slice(self, req: Request, computed: int, chunk: int, sample: bool, plan: StepPlan, now: float) -> None:
-        rid = req.request_id
-        s = SeqSlice(rid, req.token_ids(computed, computed + chunk), computed, self.kv.block_table(rid), sample,
-                     req.params, len(req.output_token_ids), req.eos_token_id)
-        if sample and req.params.penalized:  # the runner sees only this step's tokens
-            s.history_token_ids = req.prompt_token_ids + req.output_token_ids
+        s = request_slice(req, computed, chunk, self.kv.block_table(req.request_id), sample)
         (plan.decode if chunk == 1 else plan.prefill).append(s)
-        if req.state is not RequestState.RUNNING:
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-            req.state = RequestState.RUNNING
+        req.mark_running(now)
 
     def _resolve_stall(self, ranked: list[Request], now: float) -> None:
         """Nothing could run: one request holds the whole pool and cannot grow (two holders
@@ -220,6 +217,8 @@ class Scheduler:
             m.swap_stall_s += sync_s
             ran.append(req)
             if not s.sample:
+                if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:  # prompt only
+                    self._finish(req, "length", now, RequestState.FINISHED)
                 continue
             tok = result.sampled[s.request_id]
             req.output_token_ids.append(tok)

@@ -2,10 +2,12 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/requests/{id}/priority,
 GET /v1/models[/{id}], GET /v1/state[/stream] (the live view's data, server/state.py),
-POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version, GET /metrics, and the
-live view's page GET /dashboard (server/dashboard.py). Every error body is OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, GET /version, GET /metrics, and
+the live view's page GET /dashboard (server/dashboard.py). Every error body is OpenAI's
+`{"error": {"message", "type", "param", "code"}}`.
 /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` when an API key is set;
-/health, /ping, /version, /metrics and /dashboard (a page without data) stay open so that probes and scrapers need no secret.
+/health, /ping, /version, /metrics and /dashboard (a page without data) stay open so that
+probes and scrapers need no secret.
 
 One log line per generation request (id, tokens, finish reason, latency); prompt and output
 text are never logged.
@@ -13,6 +15,7 @@ text are never logged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import importlib.metadata
@@ -37,11 +40,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenslice.engine.async_engine import (EngineClient, EngineDeadError, EngineFaultError, EngineInfo,
                                             EngineOverloadedError, RequestStream)
-from tokenslice.request import MAX_LOGIT_BIAS, EngineRequest, InvalidRequestError, RequestOutput, SamplingParams
+from tokenslice.request import (MAX_LOGIT_BIAS, EngineRequest, InvalidRequestError, RequestOutput, SamplingParams,
+                                TokenLogprobs)
+from tokenslice.server.choices import Choice, best_of, merged, sibling_seed
 from tokenslice.server.dashboard import add_dashboard
+from tokenslice.server.logprobs import (TokenTexts, chat_logprobs, completion_logprobs, echo_completion_logprobs,
+                                        prompt_logprob_entries)
 from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                        ChatCompletionResponse, ChatMessage, ChatMessageOut, ChatStreamChoice,
+                                        ChatCompletionResponse, ChatLogprobs, ChatMessage, ChatMessageOut,
+                                        ChatStreamChoice, CompletionLogprobs,
                                         CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse,
                                         DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
                                         ErrorResponse, ModelCard, ModelList, PriorityResponse, PriorityUpdate,
@@ -228,11 +236,11 @@ class _Track:
     finish_reason: str | None = None
     outcome: str = "ok"
 
-    def update(self, out: RequestOutput) -> None:
-        self.prompt_tokens = out.num_prompt_tokens
-        self.completion_tokens = out.num_output_tokens
-        if out.finished:
-            self.finish_reason = out.finish_reason
+    def account(self, choices: list[Choice]) -> None:
+        """Usage of all choices: each prompt counted once (set at submission), every generated token."""
+        self.completion_tokens = sum(c.num_output_tokens for c in choices)
+        reasons = sorted({c.finish_reason for c in choices if c.finish_reason})
+        self.finish_reason = ",".join(reasons) or None
 
     def log(self) -> None:
         log.info("%s %s status=%d prompt_tokens=%d completion_tokens=%d finish=%s latency=%.3fs%s",
@@ -322,12 +330,11 @@ class Server:
 
     @staticmethod
     def refuse_unsupported(body: SamplingFields) -> None:
-        if body.n != 1:
-            raise APIError(400, "n > 1 is not supported yet; send one request per choice", param="n")
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
-    def sampling_params(self, body: SamplingFields, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         temperature = 1.0 if body.temperature is None else body.temperature
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         params = SamplingParams(
@@ -340,7 +347,8 @@ class Server:
             logit_bias=_logit_bias(body.logit_bias), min_p=body.min_p or 0.0,
             stop_token_ids=list(body.stop_token_ids or []), include_stop_str_in_output=body.include_stop_str_in_output,
             skip_special_tokens=body.skip_special_tokens,
-            spaces_between_special_tokens=body.spaces_between_special_tokens)
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         try:
             params.validate()
         except InvalidRequestError as e:
@@ -350,6 +358,8 @@ class Server:
         cap = self.info.max_model_len
         params.max_tokens = min(params.max_tokens, cap)
         params.min_tokens = min(params.min_tokens, cap)
+        # top_k at or past the vocabulary keeps every token; clamped, it also fits the core's 64-bit messages.
+        params.top_k = min(params.top_k, self.info.vocab_size)
         return params
 
     def check_room(self, ids: list[int], max_tokens: int | None, param: str) -> None:
@@ -424,13 +434,13 @@ class Server:
             parts.append(part.text)
         return "".join(parts)
 
-    async def submit(self, track: _Track, prompt: list[int], params: SamplingParams, body: SamplingFields,
-                     arrival: float) -> RequestStream:
-        track.prompt_tokens = len(prompt)  # known now; streamed usage may be sent before the first output
+    async def submit(self, track: _Track, request_id: str, prompt: list[int], params: SamplingParams,
+                     body: SamplingFields, prefix_leader: str | None = None) -> RequestStream:
         try:
             return await self.async_engine.add_request(EngineRequest(
-                track.request_id, prompt, params, arrival_time=arrival, user=body.user, priority=body.priority,
-                expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None))
+                request_id, prompt, params, arrival_time=track.start, user=body.user, priority=body.priority,
+                expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None,
+                prefix_leader=prefix_leader))
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except EngineOverloadedError:
@@ -443,20 +453,43 @@ class Server:
         except EngineFaultError as e:
             raise self.fault(track.request_id, e) from None
 
+    async def submit_choices(self, track: _Track, prompts: list[list[int]], params: SamplingParams, copies: int,
+                             body: SamplingFields) -> list[Choice]:
+        """`copies` engine requests per prompt, each its own scheduled request: the request id for
+        a single one, `{id}-{k}` (k = prompt index x copies + i) for several. All or none."""
+        track.prompt_tokens = sum(len(p) for p in prompts)  # streamed usage may be sent before any output
+        single = len(prompts) * copies == 1
+        choices: list[Choice] = []
+        try:
+            for pi, ids in enumerate(prompts):
+                for i in range(copies):
+                    rid = track.request_id if single else f"{track.request_id}-{pi * copies + i}"
+                    sp = dataclasses.replace(params, seed=sibling_seed(params.seed, i))
+                    # Siblings start from the first one's prompt KV (prefix cache) instead of recomputing it.
+                    leader = choices[pi * copies].stream.request_id if i else None
+                    choices.append(Choice(pi, ids, await self.submit(track, rid, ids, sp, body, leader)))
+        except BaseException:
+            self.abort_all(choices)
+            raise
+        return choices
+
+    def abort_all(self, choices: list[Choice]) -> None:
+        for c in choices:
+            if not c.stream.finished:
+                self.async_engine.abort(c.stream)
+
     @staticmethod
     def fault(request_id: str, e: BaseException) -> APIError:
         log.error("%s failed in the engine: %s", request_id, e)
         return APIError(500, f"internal engine error (request id {request_id})", type="server_error",
                         code="engine_error")
 
-    async def collect(self, stream: RequestStream, request: Request, track: _Track) -> str:
-        """Run a non-streamed request to its end; abort it if the client disconnects first."""
-        async def consume() -> str:
-            parts = []
-            async for out in stream:
-                track.update(out)
-                parts.append(out.text_delta)
-            return "".join(parts)
+    async def collect(self, choices: list[Choice], request: Request, track: _Track) -> None:
+        """Run non-streamed choices to their end; abort them all if the client disconnects first."""
+        async def consume() -> None:
+            async for k, out in merged(choices):
+                choices[k].add(out)
+                track.account(choices)
 
         consumer = asyncio.ensure_future(consume())
         watcher = asyncio.ensure_future(_wait_disconnect(request))
@@ -466,18 +499,20 @@ class Server:
             watcher.cancel()
             if not consumer.done():
                 consumer.cancel()
-                self.async_engine.abort(stream)
+                self.abort_all(choices)
         if consumer not in done:
+            track.outcome = "client disconnected; aborted"
+            track.log()
             raise _ClientGone()
         try:
-            return consumer.result()
+            consumer.result()
         except (EngineFaultError, EngineDeadError) as e:
             raise self.fault(track.request_id, e) from None
 
-    def streaming(self, track: _Track, stream: RequestStream, events: AsyncIterator[str]) -> _EngineStreamResponse:
+    def streaming(self, track: _Track, choices: list[Choice], events: AsyncIterator[str]) -> _EngineStreamResponse:
         def on_close() -> None:
-            if not stream.finished:
-                self.async_engine.abort(stream)
+            if not all(c.stream.finished for c in choices):
+                self.abort_all(choices)
                 track.outcome = "client disconnected; aborted"
             track.log()
 
@@ -490,47 +525,98 @@ class Server:
                     .model_dump_json())
 
     # ---- routes ----------------------------------------------------------------------------
+    def completion_params(self, body: CompletionRequest) -> tuple[SamplingParams, int]:
+        """The engine's sampling params of every choice, and how many to generate per prompt."""
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        copies = body.best_of or body.n
+        if copies < body.n:
+            raise APIError(400, f"best_of must be at least n ({body.n}), got {copies}", param="best_of")
+        if body.stream and copies > body.n:
+            raise APIError(400, "best_of > n cannot be streamed: the best are known only at the end", param="best_of")
+        if body.stream and body.prompt_logprobs is not None and not body.echo:
+            raise APIError(400, "prompt_logprobs cannot be streamed; use echo with logprobs, or stream false",
+                           param="prompt_logprobs")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        if max_tokens == 0 and not body.echo:
+            raise APIError(400, "max_tokens 0 is only allowed with echo (the prompt and its logprobs)",
+                           param="max_tokens")
+        # best_of ranks by the sampled tokens' cumulative logprob: computed even if not asked for.
+        logprobs = body.logprobs if body.logprobs is not None else (0 if copies > body.n else None)
+        asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(asked) if asked else (0 if max_tokens == 0 else None)
+        return self.sampling_params(body, max_tokens, logprobs, prompt_logprobs), copies
+
+    def completion_choice(self, index: int, c: Choice, prompt: str | list[int], body: CompletionRequest,
+                          texts: TokenTexts) -> CompletionChoice:
+        echo = self.echo_text(prompt, c.prompt_token_ids) if body.echo else ""
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = (echo_completion_logprobs(texts, c.prompt_token_ids, c.prompt_logprobs, c.logprobs, len(echo))
+                        if body.echo else completion_logprobs(texts, c.prompt_token_ids[-1], c.logprobs, 0))
+        prompt_lps = (prompt_logprob_entries(texts, c.prompt_token_ids, c.prompt_logprobs)
+                      if body.prompt_logprobs is not None else None)
+        return CompletionChoice(index=index, text=echo + c.text, logprobs=logprobs,
+                                finish_reason=_finish_reason(c.finish_reason), prompt_logprobs=prompt_lps)
+
+    def echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(ids) if self.tokenizer else ""  # accepted ids decode
+
+    # ---- routes ----------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         track = self.new_track(request, "cmpl", "/v1/completions")
         self.check_model(body.model)
         self.refuse_unsupported(body)
-        if body.logprobs is not None:
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
-        if body.suffix is not None:
-            raise APIError(400, "suffix is not supported", param="suffix")
-        prompt = _single_prompt(body.prompt)
-        params = self.sampling_params(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS)
-        ids = await run_in_threadpool(self.tokenize_prompt, prompt) if isinstance(prompt, str) else prompt
-        self.check_room(ids, body.max_tokens, "max_tokens")
-        stream = await self.submit(track, ids, params, body, track.start)
-        echo = ""
-        if body.echo:  # ids were accepted, so they decode
-            echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids) if self.tokenizer else ""
+        params, copies = self.completion_params(body)
+        prompts = _prompt_list(body.prompt)
+        ids = [await run_in_threadpool(self.tokenize_prompt, p) if isinstance(p, str) else p for p in prompts]
+        for one in ids:
+            self.check_room(one, body.max_tokens, "max_tokens")
+        choices = await self.submit_choices(track, ids, params, copies, body)
         model, created = self.settings.served_model_name, int(time.time())
+        texts = TokenTexts(self.tokenizer)
 
         if body.stream:
             include_usage, continuous = _usage_options(body)
 
-            def render(text: str, finish: str | None = None) -> str:
+            def render(k: int, text: str, finish: str | None = None, logprobs: CompletionLogprobs | None = None) -> str:
                 return CompletionChunk(id=track.request_id, created=created, model=model, choices=[
-                    CompletionChoice(text=text, finish_reason=finish)],
+                    CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=finish)],
                     usage=track.usage if continuous else None).model_dump_json()
 
-            text_chunk = None if continuous else _TextChunk(render)
+            # Chunks that differ only in their text are spliced into one rendering per choice.
+            text_chunks = None if continuous else [_TextChunk(functools.partial(render, k)) for k in range(len(choices))]
 
-            def chunk(text: str, finish: str | None) -> str:
-                return text_chunk(text) if text_chunk and finish is None else _sse(render(text, finish))
+            def chunk(k: int, text: str, finish: str | None, logprobs: CompletionLogprobs | None = None) -> str:
+                if text_chunks and finish is None and logprobs is None:
+                    return text_chunks[k](text)
+                return _sse(render(k, text, finish, logprobs))
 
             async def events() -> AsyncIterator[str]:
+                sent = [0] * len(choices)  # characters of each choice's text sent (text_offset)
                 try:
-                    if echo:
-                        yield chunk(echo, None)
-                    async for out in stream:
-                        track.update(out)
+                    async for k, out in merged(choices):
+                        c = choices[k]
+                        c.add(out)
+                        track.account(choices)
+                        if body.echo and sent[k] == 0 and c.num_output_tokens == len(out.new_token_ids):
+                            # The prompt first, once its logprobs are in (they come with the first output).
+                            echoed = self.completion_choice(k, dataclasses.replace(c, text="", logprobs=TokenLogprobs()),
+                                                            prompts[c.prompt_index], body, texts)
+                            sent[k] = len(echoed.text)
+                            yield chunk(k, echoed.text, None, echoed.logprobs)
                         # One chunk per generated token (as vLLM streams), even when the text is
                         # held back: clients time every token and count them against usage.
                         if out.text_delta or out.new_token_ids or out.finished:
-                            yield chunk(out.text_delta, _finish(out))
+                            lps = None
+                            if body.logprobs is not None and out.logprobs is not None:
+                                context = c.prompt_token_ids + c.token_ids
+                                lps = completion_logprobs(texts, context[-len(out.new_token_ids) - 1], out.logprobs,
+                                                          sent[k])
+                            sent[k] += len(out.text_delta)
+                            yield chunk(k, out.text_delta, _finish(out), lps)
                     if include_usage:
                         yield _sse(CompletionChunk(id=track.request_id, created=created, model=model, choices=[],
                                                    usage=track.usage).model_dump_json())
@@ -538,11 +624,12 @@ class Server:
                     yield self.error_event(track, e)
                 yield _DONE
 
-            return self.streaming(track, stream, events())
+            return self.streaming(track, choices, events())
 
-        text = await self._collect_or_log(stream, request, track)
+        await self.collect(choices, request, track)
+        kept = best_of(choices, body.n) if copies > body.n else choices
         resp = CompletionResponse(id=track.request_id, created=created, model=model, usage=track.usage, choices=[
-            CompletionChoice(text=echo + text, finish_reason=_finish_reason(track.finish_reason))])
+            self.completion_choice(k, c, prompts[c.prompt_index], body, texts) for k, c in enumerate(kept)])
         track.log()
         return JSONResponse(resp.model_dump(), headers={"X-Request-Id": track.request_id})
 
@@ -550,41 +637,54 @@ class Server:
         track = self.new_track(request, "chatcmpl", "/v1/chat/completions")
         self.check_model(body.model)
         self.refuse_unsupported(body)
-        if body.logprobs or body.top_logprobs is not None:
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if body.tools:
             raise APIError(400, "tools are not supported", param="tools")
         ids = await run_in_threadpool(self.render_chat, body.messages, body.add_generation_prompt)
         requested = body.max_completion_tokens or body.max_tokens
         self.check_room(ids, requested, "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         # Without a limit, a chat reply may use the rest of the context (the engine stops there).
-        params = self.sampling_params(body, requested or max(1, self.info.max_model_len - len(ids)))
-        stream = await self.submit(track, ids, params, body, track.start)
+        params = self.sampling_params(body, requested or max(1, self.info.max_model_len - len(ids)),
+                                      (body.top_logprobs or 0) if body.logprobs else None)
+        choices = await self.submit_choices(track, [ids], params, body.n, body)
         model, created = self.settings.served_model_name, int(time.time())
+        texts = TokenTexts(self.tokenizer)
+
+        def logprobs(c: Choice, new: TokenLogprobs | None) -> ChatLogprobs | None:
+            if not body.logprobs or new is None:
+                return None
+            context = c.prompt_token_ids + c.token_ids
+            return chat_logprobs(texts, context[-len(new) - 1], new)
 
         if body.stream:
             include_usage, continuous = _usage_options(body)
 
-            def render(delta: DeltaMessage, finish: str | None = None) -> str:
+            def render(k: int, delta: DeltaMessage, finish: str | None = None, lps: ChatLogprobs | None = None) -> str:
                 return ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[
-                    ChatStreamChoice(delta=delta, finish_reason=finish)],
+                    ChatStreamChoice(index=k, delta=delta, logprobs=lps, finish_reason=finish)],
                     usage=track.usage if continuous else None).model_dump_json()
 
-            def chunk(delta: DeltaMessage, finish: str | None = None) -> str:
-                return _sse(render(delta, finish))
+            def chunk(k: int, delta: DeltaMessage, finish: str | None = None, lps: ChatLogprobs | None = None) -> str:
+                return _sse(render(k, delta, finish, lps))
 
-            text_chunk = None if continuous else _TextChunk(lambda text: render(DeltaMessage(content=text)))
+            text_chunks = None if continuous else [
+                _TextChunk(lambda text, k=k: render(k, DeltaMessage(content=text))) for k in range(len(choices))]
 
             async def events() -> AsyncIterator[str]:
                 try:
-                    yield chunk(DeltaMessage(role="assistant", content=""))
-                    async for out in stream:
-                        track.update(out)
+                    for k in range(len(choices)):
+                        yield chunk(k, DeltaMessage(role="assistant", content=""))
+                    async for k, out in merged(choices):
+                        c = choices[k]
+                        c.add(out)
+                        track.account(choices)
                         if out.text_delta or out.new_token_ids:  # one chunk per token, as above
-                            yield (text_chunk(out.text_delta) if text_chunk
-                                   else chunk(DeltaMessage(content=out.text_delta)))
+                            lps = logprobs(c, out.logprobs)
+                            yield (text_chunks[k](out.text_delta) if text_chunks and lps is None
+                                   else chunk(k, DeltaMessage(content=out.text_delta), None, lps))
                         if out.finished:
-                            yield chunk(DeltaMessage(), _finish(out))
+                            yield chunk(k, DeltaMessage(), _finish(out))
                     if include_usage:
                         yield _sse(ChatCompletionChunk(id=track.request_id, created=created, model=model, choices=[],
                                                        usage=track.usage).model_dump_json())
@@ -592,11 +692,12 @@ class Server:
                     yield self.error_event(track, e)
                 yield _DONE
 
-            return self.streaming(track, stream, events())
+            return self.streaming(track, choices, events())
 
-        text = await self._collect_or_log(stream, request, track)
+        await self.collect(choices, request, track)
         resp = ChatCompletionResponse(id=track.request_id, created=created, model=model, usage=track.usage, choices=[
-            ChatChoice(message=ChatMessageOut(content=text), finish_reason=_finish_reason(track.finish_reason))])
+            ChatChoice(index=k, message=ChatMessageOut(content=c.text), logprobs=logprobs(c, c.logprobs),
+                       finish_reason=_finish_reason(c.finish_reason)) for k, c in enumerate(choices)])
         track.log()
         return JSONResponse(resp.model_dump(), headers={"X-Request-Id": track.request_id})
 
@@ -644,14 +745,6 @@ class Server:
                            param="tokens")
         return DetokenizeResponse(prompt=await run_in_threadpool(tok.decode, body.tokens))
 
-    async def _collect_or_log(self, stream: RequestStream, request: Request, track: _Track) -> str:
-        try:
-            return await self.collect(stream, request, track)
-        except _ClientGone:
-            track.outcome = "client disconnected; aborted"
-            track.log()
-            raise
-
     @staticmethod
     def new_track(request: Request, prefix: str, route: str) -> _Track:
         track = _Track(f"{prefix}-{uuid.uuid4().hex}", route, time.monotonic())
@@ -659,13 +752,11 @@ class Server:
         return track
 
 
-def _single_prompt(prompt: str | list[int] | list[str] | list[list[int]]) -> str | list[int]:
+def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    """OpenAI's prompt forms as a list of prompts: a string, a token-id list, or a list of either."""
     if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-        return prompt  # type: ignore[return-value]
-    if len(prompt) != 1:
-        raise APIError(400, "a list of several prompts is not supported; send one prompt per request",
-                       param="prompt")
-    return prompt[0]  # type: ignore[return-value]
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
@@ -747,14 +838,13 @@ def _model_name_schema(name: str) -> dict[str, Any]:
 
 def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: EngineInfo) -> None:
     """What this server accepts beyond the pydantic types: its model name, token ids in its
-    vocabulary, one prompt per request, and the fields it does not support yet at their off
+    vocabulary, non-empty prompts, and the fields it does not support yet at their off
     values (the handlers answer those with a specific 400)."""
     comps = schema["components"]["schemas"]
     token = {"type": "integer", "minimum": 0, "maximum": engine.vocab_size - 1}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = comps[name]["properties"]
         _narrow(props["model"], anyOf=[_model_name_schema(settings.served_model_name), {"type": "null"}])
-        _narrow(props["n"], type="integer", enum=[1])
         _narrow(props["stop"], anyOf=[{"type": "string", "minLength": 1},
                                       {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}])
         _narrow(props["stop_token_ids"], anyOf=[{"type": "array", "items": token}, {"type": "null"}])
@@ -768,13 +858,10 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
     _narrow(comp["prompt"], anyOf=[
         {"type": "string", "minLength": 1},
         {"type": "array", "items": token, "minItems": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
-        {"type": "array", "items": {"type": "array", "items": token, "minItems": 1}, "minItems": 1, "maxItems": 1}])
-    _narrow(comp["logprobs"], type="null")
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": {"type": "array", "items": token, "minItems": 1}, "minItems": 1}])
     _narrow(comp["suffix"], type="null")
     chat = comps["ChatCompletionRequest"]["properties"]
-    _narrow(chat["logprobs"], type="boolean", enum=[False])
-    _narrow(chat["top_logprobs"], type="null")
     _narrow(chat["tools"], anyOf=[{"type": "array", "maxItems": 0}, {"type": "null"}])
     part = comps["TextContentPart"]
     part["properties"]["type"] = {"type": "string", "enum": ["text"], "title": "Type"}

@@ -17,9 +17,13 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from tokenslice.request import MAX_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
 
+from tokenslice.request import MAX_LOGPROBS
+
 # torch.Generator.manual_seed accepts exactly this range; outside it, a request would crash the engine.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1
+# Samples per prompt (n, best_of): each is a scheduled request; more would only fill the queue.
+MAX_CHOICES = 128
 # Hints that policies may turn into floats: bounded so they convert exactly.
 HINT_MIN, HINT_MAX = -(2**53), 2**53
 
@@ -51,17 +55,26 @@ PositiveInt = _int(ge=1)
 NonNegativeInt = _int(ge=0)
 TopK = _int(ge=-1)
 Seed = _int(ge=SEED_MIN, le=SEED_MAX)
+TopLogprobs = _int(ge=0, le=MAX_LOGPROBS)
+Choices = _int(ge=1, le=MAX_CHOICES)
 Hint = _int(ge=HINT_MIN, le=HINT_MAX)
 NonNegativeHint = _int(ge=0, le=HINT_MAX)
 
 
-# Request fields accepted and ignored when a request model does not declare them (README, "Request
+# Request fields accepted and ignored when a request model does not declare them (README, "Strict
 # fields"): OpenAI's stored-completion bookkeeping (`metadata`, `store`) and `service_tier`, which
-# change nothing on a self-hosted server, and fields that were accepted without effect before
-# unknown fields were refused and keep that behaviour (`best_of`, `prompt_logprobs`, `top_logprobs`
-# on completions, `echo` on chat), so existing clients keep working.
-IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "best_of", "prompt_logprobs", "top_logprobs",
-                            "echo"})
+# change nothing on a self-hosted server.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier"})
+# Fields a route does not implement (`top_logprobs` on completions, `echo`, `best_of`,
+# `prompt_logprobs` on chat) that clients send with a value meaning "off": accepted with that
+# value only, any other value is refused with a 400 naming the field.
+NO_OP_VALUES: dict[str, tuple[object, ...]] = {"top_logprobs": (None,), "echo": (None, False),
+                                               "best_of": (None, 1), "prompt_logprobs": (None,)}
+
+
+def _is_no_op(value: object, no_ops: tuple[object, ...]) -> bool:
+    # Same type as well as equal: `best_of: true` is not 1, nor `echo: 0` false.
+    return any(type(value) is type(v) and value == v for v in no_ops)
 
 
 class _Strict(BaseModel):
@@ -91,7 +104,8 @@ class SamplingFields(_Strict):
     top_k: TopK | None = Field(None, description="0 or -1: off")
     seed: Seed | None = None
     stop: Text | list[Text] | None = None
-    n: PositiveInt = Field(1, description="only 1 is supported")
+    n: Choices = Field(1, description="choices per prompt, each sampled independently (a seed gives each "
+                                          "its own stream derived from it)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False,
@@ -122,15 +136,25 @@ class SamplingFields(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _drop_ignored(cls, data: Any) -> Any:
-        if isinstance(data, dict) and not IGNORED_FIELDS.isdisjoint(data):
-            return {k: v for k, v in data.items() if k not in IGNORED_FIELDS or k in cls.model_fields}
-        return data
+        if not isinstance(data, dict):
+            return data
+        drop = {k for k in data if k not in cls.model_fields
+                and (k in IGNORED_FIELDS or _is_no_op(data[k], NO_OP_VALUES.get(k, ())))}
+        return {k: v for k, v in data.items() if k not in drop} if drop else data
 
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[Int] | list[Text] | list[list[Int]]
     echo: bool = False
-    logprobs: NonNegativeInt | None = Field(None, description="not supported yet: must be null")
+    max_tokens: NonNegativeInt | None = Field(None, description="0: no generation, only with echo (the prompt "
+                                                                "and its logprobs)")
+    logprobs: TopLogprobs | None = Field(None, description="log-probabilities of each token and of this many "
+                                                               "most likely alternatives (at most 20), from the "
+                                                               "model's raw logits")
+    best_of: Choices | None = Field(None, description="generate this many per prompt (>= n) and return the n "
+                                                          "with the highest cumulative logprob; not with stream")
+    prompt_logprobs: TopLogprobs | None = Field(None, description="vLLM's extension: each prompt token's "
+                                                                     "logprob and this many alternatives")
     suffix: str | None = Field(None, description="not supported: must be null")
 
 
@@ -151,8 +175,9 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveInt | None = Field(None, description="wins over max_tokens")
-    logprobs: bool = Field(False, description="not supported yet: must be false")
-    top_logprobs: NonNegativeInt | None = Field(None, description="not supported yet: must be null")
+    logprobs: bool = Field(False, description="log-probabilities of the generated tokens (raw logits)")
+    top_logprobs: TopLogprobs | None = Field(None, description="with logprobs: this many most likely "
+                                                                  "alternatives per token (at most 20)")
     tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
     add_generation_prompt: bool = True
 
@@ -204,11 +229,52 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions shape: one entry per token (an echoed prompt's first token has
+    no logprob: null), text_offset counts characters into the choice's text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's prompt_logprobs entry (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # vLLM's extension field appears only when asked for.
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprob] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -228,7 +294,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -254,7 +320,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
