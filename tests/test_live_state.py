@@ -4,6 +4,7 @@ canary string checks it)."""
 from __future__ import annotations
 
 import json
+import math
 import time
 
 import httpx
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from serverkit import RunningServer, start_server, until, wait_idle
+from tokenslice.server.state import encode
 
 MODEL = "builtin:tiny"
 DEADLINE_S = 60.0  # failure deadlines, not performance checks
@@ -23,7 +25,14 @@ def _state(srv: RunningServer, key: str | None = None) -> dict:
     r = httpx.get(srv.url("/v1/state"), headers=headers, timeout=DEADLINE_S)
     assert r.status_code == 200, r.text
     assert CANARY not in r.text
-    return r.json()
+    return _strict_json(r.text)
+
+
+def _strict_json(text: str) -> dict:
+    """As a browser parses it: no Infinity or NaN."""
+    def refuse(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=refuse)
 
 
 def _sse_events(srv: RunningServer, n: int, headers: dict[str, str] | None = None) -> list[dict]:
@@ -35,7 +44,7 @@ def _sse_events(srv: RunningServer, n: int, headers: dict[str, str] | None = Non
         for line in r.iter_lines():
             assert CANARY not in line
             if line.startswith("data: "):
-                events.append(json.loads(line[len("data: "):]))
+                events.append(_strict_json(line[len("data: "):]))
                 if len(events) == n:
                     break
     return events
@@ -92,6 +101,13 @@ def test_state_shows_a_preemption_as_metrics_do(engine_flag: str) -> None:
             a.close()
         wait_idle(srv)
         until(lambda: _state(srv)["requests"] == [])
+
+
+def test_infinite_numbers_become_null() -> None:
+    """An MLFQ's numbers may be infinite; the page's JSON.parse would refuse `Infinity`."""
+    with start_server("--no-engine-process", "--policy", "skip-join-mlfq") as srv:
+        assert _state(srv)["queues"]["kind"] == "mlfq"
+    assert encode({"quantum_left_s": math.inf, "remaining_s": math.nan}) == b'{"quantum_left_s":null,"remaining_s":null}'
 
 
 def test_viewers_share_one_producer() -> None:

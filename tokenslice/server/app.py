@@ -56,7 +56,7 @@ from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCom
                                         SamplingFields, TokenizeRequest, TokenizeResponse, UsageInfo,
                                         VersionResponse)
 from tokenslice.server.settings import ServerSettings
-from tokenslice.server.state import StateHub
+from tokenslice.server.state import StateHub, encode as encode_state
 
 log = logging.getLogger("tokenslice.server")
 
@@ -967,9 +967,9 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return server.model_card()
 
     @v1.get("/state", responses={200: {"description": "The scheduler's state for the live view (/dashboard)"}})
-    async def state() -> JSONResponse:
+    async def state() -> Response:
         try:
-            return JSONResponse(await server.state.get())
+            return Response(encode_state(await server.state.get()), media_type="application/json")
         except (EngineDeadError, EngineFaultError) as e:
             raise APIError(503, str(e), "server_error") from None
 

@@ -18,6 +18,8 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+
 from tokenslice.engine.async_engine import EngineClient, EngineDeadError, EngineFaultError
 from tokenslice.sched.snapshot import REQUEST_STATES
 from tokenslice.server.latency_window import WINDOW_S
@@ -25,6 +27,12 @@ from tokenslice.server.metrics import ServerMetrics
 
 MIN_INTERVAL_S = 0.25  # at most 4 snapshots a second from the engine
 SSE_KEEPALIVE_S = 15.0  # a comment line so proxies keep an idle stream open
+
+
+def encode(state: dict[str, Any]) -> bytes:
+    """JSON a browser can parse: an infinite or NaN number (an MLFQ without a starvation limit,
+    an unknown estimate) becomes null, where json.dumps would write `Infinity`."""
+    return msgspec.json.encode(state)
 
 
 class StateHub:
@@ -88,7 +96,7 @@ class StateHub:
 
     def _encoded(self, state: dict[str, Any]) -> str:
         if self._event[0] != state["seq"]:
-            self._event = (state["seq"], f"data: {json.dumps(state)}\n\n")
+            self._event = (state["seq"], f"data: {encode(state).decode()}\n\n")
         return self._event[1]
 
     async def stream(self) -> AsyncIterator[str]:
@@ -114,4 +122,4 @@ class StateHub:
             self.viewers -= 1
 
 
-__all__ = ["StateHub", "MIN_INTERVAL_S"]
+__all__ = ["StateHub", "MIN_INTERVAL_S", "encode"]

@@ -61,7 +61,9 @@ function drawLanes(snap) {
   if (rest.length) lanes.push({ name: lanes.length ? "elsewhere" : "live requests", ids: rest });
   const root = $("lanes");
   root.replaceChildren();
-  for (const lane of lanes) {
+  // Empty lanes (an MLFQ has many levels) share one line, so busy ones stay on screen.
+  const empty = lanes.filter((l) => !l.ids.length).map((l) => l.name.split(" · ")[0]);
+  for (const lane of lanes.filter((l) => l.ids.length || empty.length < 2)) {
     const row = document.createElement("div");
     row.className = "lane";
     const name = document.createElement("div");
@@ -73,6 +75,12 @@ function drawLanes(snap) {
     if (reqs.length > CROWDED) chips.append(crowd(reqs));
     else chips.append(...reqs.map(chip));
     row.append(name, chips);
+    root.append(row);
+  }
+  if (empty.length >= 2) {
+    const row = document.createElement("div");
+    row.className = "lane lane-name";
+    row.textContent = `empty: ${empty.join(", ")}`;
     root.append(row);
   }
 }
