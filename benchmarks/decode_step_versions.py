@@ -19,41 +19,30 @@ import sys
 import tempfile
 from pathlib import Path
 
-# Run inside each checkout (cwd = that checkout, so `import tokenslice` is its code).
+from engine_vs_hf import build_checkpoint
+
+HERE = Path(__file__).resolve().parent
+# Run inside each checkout (PYTHONPATH = that checkout, so `import tokenslice` is its code); the
+# measuring loop is this directory's, written against the engine API both checkouts share.
 MEASURE = r"""
-import json, sys, time
+import json, sys
 from pathlib import Path
 import torch
-sys.path.insert(0, "benchmarks")
-from engine_vs_hf import build_checkpoint, prompts
+sys.path.insert(0, sys.argv[3])
+from logprobs_overhead import NEW, decode_step_seconds
 from tokenslice import LLM, SamplingParams
 torch.set_num_threads(1)
-ckpt, batches = Path(sys.argv[1]), [int(b) for b in sys.argv[2].split(",")]
-if not (ckpt / "config.json").exists():
-    build_checkpoint(ckpt)
-out = {}
-with LLM(str(ckpt), dtype="float32", max_batch_size=max(batches), kv_cache_blocks=1024) as llm:
-    eng = llm.engine
-    for b in [4] + batches:  # 4: warm-up
-        sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-        for p in prompts(b).tolist():
-            eng.add_request(p, sp)
-        total, steps = 0.0, 0
-        while eng.has_unfinished():
-            decode = all(r.num_computed_tokens > 0 for r in eng.scheduler.requests.values())
-            t0 = time.perf_counter()
-            eng.step()
-            if decode:
-                total += time.perf_counter() - t0
-                steps += 1
-        out[b] = total / steps
-print(json.dumps(out))
+batches = [int(b) for b in sys.argv[2].split(",")]
+sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+with LLM(sys.argv[1], dtype="float32", max_batch_size=max(batches), kv_cache_blocks=1024) as llm:
+    decode_step_seconds(llm.engine, 4, sp)  # warm-up
+    print(json.dumps({b: decode_step_seconds(llm.engine, b, sp) for b in batches}))
 """
 
 
 def measure(tree: Path, ckpt: Path, batches: str) -> dict[int, float]:
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-c", MEASURE, str(ckpt), batches], cwd=tree, env=env,
+    r = subprocess.run([sys.executable, "-c", MEASURE, str(ckpt), batches, str(HERE)], cwd=tree, env=env,
                        capture_output=True, text=True, timeout=600, check=True)
     return {int(k): v for k, v in json.loads(r.stdout.strip().splitlines()[-1]).items()}
 
@@ -69,11 +58,11 @@ def main() -> None:
     trees = {"before": a.before.resolve(), "after": a.after.resolve()}
     runs: dict[str, list[dict[int, float]]] = {k: [] for k in trees}
     with tempfile.TemporaryDirectory() as d:
-        ckpts = {k: Path(d) / k for k in trees}  # each checkout builds it with its own script
+        build_checkpoint(Path(d))
         for i in range(a.rounds):
             order = list(trees) if i % 2 == 0 else list(reversed(trees))
             for k in order:
-                runs[k].append(measure(trees[k], ckpts[k], a.batches))
+                runs[k].append(measure(trees[k], Path(d), a.batches))
     rows = []
     print(f"{'batch':>5} {'before ms':>10} {'after ms':>10} {'after/before':>13}")
     for b in [int(x) for x in a.batches.split(",")]:

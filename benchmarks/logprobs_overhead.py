@@ -17,6 +17,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,8 +30,13 @@ TOP = 5
 
 def decode_step_s(llm: LLM, batch: int, logprobs: int | None) -> float:
     """Mean wall seconds of the decode-only steps of one batch run to completion."""
-    eng = llm.engine
     sp = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=logprobs)
+    return decode_step_seconds(llm.engine, batch, sp)
+
+
+def decode_step_seconds(eng: Any, batch: int, sp: Any) -> float:
+    """Mean wall seconds of the decode-only steps of `batch` prompts run to completion on `eng`
+    (an Engine; also used by decode_step_versions.py on older checkouts, so nothing newer)."""
     for p in prompts(batch).tolist():
         eng.add_request(p, sp)
     total, steps = 0.0, 0
