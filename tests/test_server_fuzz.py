@@ -16,7 +16,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
+from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                              status_code_conformance)
 
 from serverkit import RunningServer, start_server
 
@@ -57,7 +58,8 @@ def test_fuzz_openapi(srv: RunningServer, path: str) -> None:
         response = case.call(base_url=srv.base_url, timeout=60)
         statuses.append(response.status_code)
         case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
-                                                 content_type_conformance, openai_error_object])
+                                                 content_type_conformance, response_schema_conformance,
+                                                 openai_error_object])
 
     run()
     assert len(statuses) >= EXAMPLES_PER_OPERATION

@@ -799,9 +799,17 @@ def _error_docs() -> dict[int | str, dict[str, Any]]:
     }
 
 
+# One server-sent event as SSE-aware tools read it: `data` is a JSON chunk (the stream object's
+# shape) or the final "[DONE]".
+SSE_EVENT_SCHEMA = {"type": "object", "required": ["data"],
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                                   "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 def _ok_doc(model: type, what: str) -> dict[int | str, dict[str, Any]]:
-    return {200: {"model": model, "content": {"text/event-stream": {"schema": {"type": "string"}}},
-                  "description": f"{what}, or server-sent events when stream is true"}}
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": SSE_EVENT_SCHEMA}},
+                  "description": f"{what}, or server-sent events (each `data` a JSON chunk, then "
+                                 f"[DONE]) when stream is true"}}
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
