@@ -157,9 +157,10 @@ def test_killed_core_fails_streams_and_health() -> None:
         assert r.status_code == 503
 
 
-def _serve(*flags: str) -> tuple[subprocess.Popen[str], queue.Queue[str]]:
+def _serve(*flags: str, new_session: bool = False) -> tuple[subprocess.Popen[str], queue.Queue[str]]:
     cmd = [sys.executable, "-m", "tokenslice.cli", "serve", "--model", MODEL, *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=new_session)
     lines: queue.Queue[str] = queue.Queue()
 
     def pump() -> None:
@@ -207,6 +208,28 @@ def test_serve_exits_nonzero_when_the_core_dies(free_port: int) -> None:
     while not lines.empty():
         seen.append(lines.get())
     assert any("the engine died" in line for line in seen), "".join(seen[-20:])
+
+
+def test_sigterm_to_the_process_group_is_a_clean_stop(free_port: int) -> None:
+    """`timeout`, systemd and Ctrl-C signal the whole group: the core must not die first and be
+    taken for a crash; the server stops cleanly and the core goes with it. (uvicorn re-raises
+    the signal once shut down, so the exit status says SIGTERM, not the engine death's 1.)"""
+    proc, lines = _serve("--port", str(free_port), new_session=True)
+    seen: list[str] = []
+    try:
+        pid = int(_wait_for_line(lines, r"engine core running in process (\d+)", seen).group(1))
+        _wait_for_line(lines, r"Uvicorn running on http://127\.0\.0\.1:%d" % free_port, seen)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(DEADLINE_S) in (0, -signal.SIGTERM)
+    finally:
+        _reap(proc)
+    while not lines.empty():
+        seen.append(lines.get())
+    assert not any("engine" in line and ("died" in line or "exited" in line) for line in seen), "".join(seen[-20:])
+    deadline = time.monotonic() + DEADLINE_S
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pid}").exists()
 
 
 def test_serve_startup_error_is_clear_and_nonzero(free_port: int, tmp_path: Path) -> None:

@@ -41,8 +41,10 @@ SEND_LINGER_MS = 2000  # a last message (Fatal, StartupFailed) gets this long to
 def run_engine_core(config: bytes, input_address: str, output_address: str, log_level: int) -> None:
     """Process entry point (multiprocessing spawn): build the engine, say Ready, run the loop.
     `config` is a msgspec-encoded EngineConfig. Exits non-zero if the engine cannot start or fails."""
-    # Ctrl-C reaches the whole process group; the API server decides when the core stops.
+    # Ctrl-C, and SIGTERM from `timeout` or systemd, reach the whole process group: the API
+    # server decides when the core stops (a core whose API server is gone exits by itself).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
     if "OMP_NUM_THREADS" not in os.environ:

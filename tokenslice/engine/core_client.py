@@ -81,10 +81,8 @@ def _answer(future: asyncio.Future[Any] | None, result: Any, error: Exception | 
 
 
 def _stop_core(process: Any) -> None:
-    """Last resort (interpreter exit, or a core that ignores Shutdown): end it by its PID."""
-    if process.is_alive():
-        process.terminate()
-        process.join(STOP_TIMEOUT_S)
+    """Last resort (interpreter exit, or a core that ignores Shutdown): end it by its PID. The
+    core ignores SIGTERM (see engine/core.py), so SIGKILL."""
     if process.is_alive():
         process.kill()
         process.join()
