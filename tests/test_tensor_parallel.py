@@ -9,11 +9,13 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -223,6 +225,46 @@ def test_workers_leave_when_the_engine_process_dies():
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_sigterm_to_the_process_group_stops_the_tp_server_cleanly() -> None:
+    """A SIGTERM to the whole group (timeout, systemd) must not kill the rank workers under the
+    engine (an engine fault): the server stops cleanly and reaps the core and both workers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free_port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "tokenslice.cli", "serve", "--model", "builtin:tiny", "-tp", "2",
+           "--port", str(free_port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{free_port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        # The core is the child that started the rank workers (another child: multiprocessing's
+        # resource tracker).
+        tree = {c: _children(c) for c in _children(proc.pid)}
+        core, workers = max(tree.items(), key=lambda kv: len(kv[1]))
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode in (0, -signal.SIGTERM), out[-2000:]
+    assert "engine failed" not in out and "engine died" not in out and "WorkerError" not in out, out[-2000:]
+    assert len(workers) >= 2
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_alive(p) for p in [core, *workers]):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in [core, *workers])
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
 def _alive(pid: int) -> bool:

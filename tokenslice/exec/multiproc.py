@@ -8,7 +8,7 @@ reported done only once every rank has finished its part of it, so the scheduler
 blocks some rank is still copying.
 
 Workers are spawned (CUDA forbids fork) and non-daemonic, so the engine itself may run in a
-child process; `close` reaps them (stop, then terminate, then kill), and so does interpreter
+child process; `close` reaps them (stop, then kill), and so does interpreter
 exit. Waiting on a worker never hangs: every wait polls with a timeout and checks that all
 workers are alive, so a dead one raises WorkerError within `poll_interval_s`.
 """
@@ -50,8 +50,8 @@ class _Workers:
     closed: bool = False
 
     def close(self) -> None:
-        """Ask each worker to stop; terminate those still running after `stop_timeout_s`, kill
-        those that ignore it. Idempotent."""
+        """Ask each worker to stop; kill those still running after `stop_timeout_s` (workers
+        ignore SIGTERM, see exec/worker.py). Idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -59,14 +59,11 @@ class _Workers:
             try:
                 sock.send_multipart([STOP, b""], zmq.NOBLOCK)
             except zmq.ZMQError:
-                pass  # that worker is gone or stuck: terminated below
+                pass  # that worker is gone or stuck: killed below
         deadline = time.monotonic() + self.stop_timeout_s
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
         for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(2.0)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -210,7 +207,7 @@ class MultiprocExecutor:
 
     def _fail(self, message: str) -> None:
         self._broken = message
-        self._workers.stop_timeout_s = 0.0  # the survivors may be stuck in a collective: terminate them
+        self._workers.stop_timeout_s = 0.0  # the survivors may be stuck in a collective: kill them
         raise WorkerError(message)
 
 

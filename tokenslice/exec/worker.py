@@ -70,7 +70,9 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec) -> None:
     """The process's entry point: rendezvous, load, serve plans until STOP or the engine is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's to handle; it stops us
+    # Ctrl-C and a SIGTERM to the whole process group are the engine's to handle; it stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctx = zmq.Context()
     results = ctx.socket(zmq.PUSH)
     results.setsockopt(zmq.LINGER, 5000)
