@@ -112,6 +112,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(SchedulerConfig, "max_tokens_per_step")
     flag(EngineConfig, "profile",
          help="cost model for policy decisions: a `tokenslice profile` JSON or model@hardware")
+    flag(EngineConfig, "step_trace", metavar="FILE",
+         help="append one JSON line per engine step (batch, queues, swap work, loop time split)")
     flag(SchedulerConfig, "starvation_limit_s",
          help="MLFQ: promote jobs waiting longer than this (default: from the SLO)")
     flag(SchedulerConfig, "slo_normalized_latency", help="s/token; informs policy defaults")
@@ -174,8 +176,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
                             seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos, min_p=a.min_p,
                             presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
                             repetition_penalty=a.repetition_penalty)
-    for out in engine.generate(a.prompt, params):
-        print(out.text if not a.echo else (out.prompt or "") + out.text)
+    try:
+        for out in engine.generate(a.prompt, params):
+            print(out.text if not a.echo else (out.prompt or "") + out.text)
+    finally:
+        engine.close()  # ends worker processes and closes the step trace
     return 0
 
 

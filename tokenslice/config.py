@@ -217,6 +217,8 @@ class EngineConfig:
     # Cost model the policies use for iteration times: model@hardware or a `tokenslice profile`
     # JSON. None: policies that need times fall back to a fixed default iteration.
     profile: str | None = None
+    # JSON-lines file that gets one record per engine step (engine/step_trace.py); None: off.
+    step_trace: str | None = None
 
     def validate(self) -> None:
         self.model.validate()

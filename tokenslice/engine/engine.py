@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from tokenslice.clock import RealClock, VirtualClock
 from tokenslice.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
+from tokenslice.engine.step_trace import StepTraceWriter, step_record
 from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
@@ -163,6 +164,7 @@ class Engine:
         self._prompt_logprobs: dict[str, TokenLogprobs] = {}
         # Off in the engine-core process: the API server detokenizes and applies stop strings there.
         self.detokenize = True
+        self.step_trace: StepTraceWriter | None = None  # --step-trace: one record per real step
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -190,6 +192,8 @@ class Engine:
             engine = cls(scheduler, side.executor, tokenizer=side.tokenizer, clock=RealClock(),
                          max_model_len=side.max_len, vocab_size=side.arch.vocab_size, eos_token_ids=eos_ids,
                          model_name=side.name)
+            if config.step_trace:
+                engine.step_trace = StepTraceWriter(config.step_trace)
             if side.runner is not None:  # the model in this process (tests and benchmarks read it)
                 engine.runner = side.runner
             if config.scheduler.length_predictor:
@@ -205,6 +209,8 @@ class Engine:
     def close(self) -> None:
         """Release executor resources (transfer threads) and the length predictor. Idempotent."""
         self.executor.close()
+        if self.step_trace is not None:
+            self.step_trace.close()
         if self.length_predictor is not None:
             self.length_predictor.close()
             self.length_predictor = None
@@ -385,7 +391,17 @@ class Engine:
         self.timings.schedule_s += t1 - t0
         self.timings.execute_s += t2 - t1
         self.timings.update_s += t3 - t2
+        if self.step_trace is not None:
+            self._trace_step(t0, (t1 - t0, t2 - t1, t3 - t2), plan, result)
         return produced, finished
+
+    def _trace_step(self, t0: float, times: tuple[float, float, float], plan: StepPlan,
+                    result: StepResult) -> None:
+        assert self.step_trace is not None
+        sched = self.scheduler
+        counts = (sched.num_running, sched.num_waiting, sched.num_preempted)
+        self.step_trace.write(step_record(self.num_steps, self.step_trace.wall_start(t0), plan, result,
+                                          counts, times))
 
     def _repeat(self, plan: StepPlan, horizon: float, max_steps: int | None = None) -> list[Request] | None:
         """Run a just-scheduled decode-only plan for as many steps as it provably stays the
