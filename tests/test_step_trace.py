@@ -2,21 +2,15 @@
 recompute counts agree with the engine's own counters, in-process and in the engine core process."""
 from __future__ import annotations
 
-import random
-
 import openai
 import pytest
 
 from conftest import STORIES
 from serverkit import start_server, wait_idle
-from tokenslice import LLM, SamplingParams
+from test_kv_swap_engine import LONG, SHORT, _run_waves
+from tokenslice import LLM
 from tokenslice.cli import main
 from tokenslice.engine.step_trace import load_step_trace
-
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-_RNG = random.Random(1)
-LONG = [[1] + [_RNG.randrange(3, 500) for _ in range(50)] for _ in range(6)]
-SHORT = [[1] + [_RNG.randrange(3, 500) for _ in range(3)] for _ in range(6)]
 
 
 @pytest.mark.parametrize("preemption", ["recompute", "reactive-swap"])
@@ -27,18 +21,12 @@ def test_trace_round_trips_and_matches_the_engine(tmp_path, preemption):
     with LLM(str(STORIES), policy="fixed-priority", preemption=preemption, kv_cache_blocks=14, max_batch_size=4,
              host_kv_blocks=64, eviction_amortization=0.0, enable_prefix_caching=False,
              step_trace=str(path)) as llm:
-        eng = llm.engine
-        reqs = [eng.add_request(p, GREEDY) for p in LONG]
-        for _ in range(5):
-            eng.step()
-        reqs += [eng.add_request(p, GREEDY) for p in SHORT]
-        while eng.has_unfinished():
-            eng.step()
-        stats, steps = eng.scheduler.stats, eng.num_steps
+        outputs = _run_waves(llm)
+        stats, steps = llm.engine.scheduler.stats, llm.engine.num_steps
     records = load_step_trace(path)
     assert [r.step for r in records] == list(range(1, steps + 1))
     assert all(b.start >= a.start for a, b in zip(records, records[1:]))
-    assert sum(r.sampled for r in records) == sum(len(r.output_token_ids) for r in reqs) == 12 * 24
+    assert sum(r.sampled for r in records) == sum(map(len, outputs)) == 12 * 24
     # Every output token comes from a decode slice but each request's first and the one a
     # recomputed request's prefill samples on resuming.
     assert sum(len(r.decode) for r in records) == 12 * 23 - sum(r.dropped for r in records)
