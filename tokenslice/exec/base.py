@@ -29,3 +29,7 @@ class ImmediateExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         self.submit(plan)
         return self.poll()
+
+
+class WorkerError(RuntimeError):
+    """A rank worker (process or Ray actor) died or raised; the executor cannot run further plans."""

@@ -3,9 +3,7 @@ FastServe §4.3), one per rank, joined by torch.distributed (gloo on CPU, NCCL o
 
 The scheduler runs once, in the engine's process; every plan goes to every rank (ZMQ, msgspec:
 exec/worker.py), each runs it on its shard and its KV partition, and the ranks' StepResults
-merge into one: rank 0's sampled tokens, the slowest rank's times, and an async transfer
-reported done only once every rank has finished its part of it, so the scheduler never reuses
-blocks some rank is still copying.
+merge into one (exec/merge.py).
 
 Workers are spawned (CUDA forbids fork) and non-daemonic, so the engine itself may run in a
 child process; `close` reaps them (stop, then kill), and so does interpreter
@@ -29,12 +27,11 @@ import torch.multiprocessing
 import zmq
 
 from tokenslice.config import CacheConfig, ModelConfig
-from tokenslice.exec.worker import ERROR, INIT, READY, RESULT, STEP, STOP, Capacity, Sizes, WorkerSpec, worker_main
+from tokenslice.exec.base import WorkerError
+from tokenslice.exec.merge import RankMerger
+from tokenslice.exec.worker import (ERROR, INIT, READY, RESULT, STEP, STOP, Capacity, RankSpec, Sizes, WorkerSpec,
+                                    worker_main)
 from tokenslice.plan import StepPlan, StepResult
-
-
-class WorkerError(RuntimeError):
-    """A worker process died or raised; the executor cannot run further plans."""
 
 
 @dataclass
@@ -86,9 +83,7 @@ class MultiprocExecutor:
         self._inbox: list[deque[bytes]] = [deque() for _ in range(tp_size)]
         self._in_flight = 0
         self._broken: str | None = None
-        # Per request: ranks that reported its async transfer done, and their longest copy.
-        self._transfer_ranks: dict[str, int] = {}
-        self._transfer_seconds: dict[str, float] = {}
+        self._merger = RankMerger(tp_size)
         w = self._workers = _Workers()
         self._finalizer = multiprocessing.util.Finalize(self, w.close, exitpriority=10)
         self._results = w.results = w.ctx.socket(zmq.PULL)
@@ -101,9 +96,9 @@ class MultiprocExecutor:
                 sock.setsockopt(zmq.SNDTIMEO, int(poll_interval_s * 1000))
                 sock.bind(f"ipc://{w.tmpdir}/plans-{rank}")
                 w.plans.append(sock)
-                spec = WorkerSpec(model, cache, rank, tp_size, max_model_len, max_batch_size, host_tier,
-                                  f"ipc://{w.tmpdir}/plans-{rank}", f"ipc://{w.tmpdir}/results",
-                                  f"file://{w.tmpdir}/rendezvous", threads, os.getpid())
+                spec = WorkerSpec(RankSpec(model, cache, rank, tp_size, max_model_len, max_batch_size, host_tier,
+                                           f"file://{w.tmpdir}/rendezvous", threads, gpu=rank),
+                                  f"ipc://{w.tmpdir}/plans-{rank}", f"ipc://{w.tmpdir}/results", os.getpid())
                 proc = mp.Process(target=worker_main, args=(spec,), name=f"tokenslice-tp{rank}", daemon=False)
                 proc.start()
                 w.procs.append(proc)
@@ -132,7 +127,7 @@ class MultiprocExecutor:
             raise RuntimeError("poll() with no plan submitted")
         results = [self._decode_result(b) for b in self._gather(RESULT)]
         self._in_flight -= 1
-        return self._merge(results)
+        return self._merger.merge(results)
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.submit(plan)
@@ -143,26 +138,6 @@ class MultiprocExecutor:
         self._finalizer()
 
     # ---- internals ------------------------------------------------------------------------------
-    def _merge(self, results: list[StepResult]) -> StepResult:
-        merged = results[0]
-        done: list[str] = []
-        for r in results:
-            for rid in r.transfers_done:
-                self._transfer_ranks[rid] = self._transfer_ranks.get(rid, 0) + 1
-                seconds = r.transfer_durations.get(rid)
-                if seconds is not None:
-                    self._transfer_seconds[rid] = max(seconds, self._transfer_seconds.get(rid, 0.0))
-                if self._transfer_ranks[rid] == self.size:
-                    done.append(rid)
-        merged.transfers_done = done
-        merged.transfer_durations = {rid: self._transfer_seconds.pop(rid) for rid in done
-                                     if rid in self._transfer_seconds}
-        for rid in done:
-            del self._transfer_ranks[rid]
-        merged.step_seconds = max(r.step_seconds for r in results)
-        merged.transfer_seconds = max(r.transfer_seconds for r in results)
-        return merged
-
     def _send(self, kind: bytes, body: bytes) -> None:
         for sock in self._workers.plans:
             self._wait(lambda s=sock: _try_send(s, [kind, body]))

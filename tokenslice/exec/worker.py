@@ -1,5 +1,6 @@
-"""One tensor-parallel rank's process (exec/multiproc.py starts them): its share of the model
-(model/tp.py), its KV partition on both tiers, and a loop that runs every StepPlan it receives.
+"""One tensor-parallel rank: `RankWorker` holds its share of the model (model/tp.py), its KV
+partition on both tiers, and runs every StepPlan it receives; `worker_main` is the process that
+exec/multiproc.py starts around it (exec/ray_executor.py runs the same RankWorker in a Ray actor).
 
 Messages are ZMQ multipart frames [kind, body] with msgspec bodies. StepPlan and StepResult are
 encoded as the dataclasses they are, every field included, so fields added to them (or to
@@ -51,8 +52,8 @@ class Sizes:
 
 
 @dataclass
-class WorkerSpec:
-    """Everything a rank needs, passed to the spawned process."""
+class RankSpec:
+    """Everything a rank needs, whatever starts it."""
 
     model: ModelConfig
     cache: CacheConfig
@@ -61,11 +62,76 @@ class WorkerSpec:
     max_model_len: int
     max_batch_size: int
     host_tier: bool  # the preemption mode swaps: allocate the host tier
-    plan_address: str  # this rank's ZMQ PULL endpoint
-    result_address: str  # the executor's ZMQ PULL endpoint
     init_method: str  # torch.distributed rendezvous
     threads: int  # torch intra-op threads (CPU)
+    gpu: int  # CUDA device index in this process (its rank, or 0 where Ray shows one GPU)
+
+
+@dataclass
+class WorkerSpec:
+    """A rank run by worker_main: its spec and the ZMQ endpoints, passed to the spawned process."""
+
+    rank: RankSpec
+    plan_address: str  # this rank's ZMQ PULL endpoint
+    result_address: str  # the executor's ZMQ PULL endpoint
     parent_pid: int
+
+
+class RankWorker:
+    """One rank, apart from how plans reach it: joins the process group, loads its shard and
+    reports its `capacity`; `init_kv` builds the runner with the agreed sizes."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        import torch.distributed as dist
+
+        from tokenslice.model.loader import load_model, rank_device
+        from tokenslice.model.runner import host_block_bytes, num_host_kv_blocks, num_kv_blocks
+
+        self.spec = spec
+        self.runner = None  # model.runner.ModelRunner once the sizes are known
+        device = rank_device(spec.model.device, spec.gpu)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:
+            torch.set_num_threads(spec.threads)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=spec.init_method,
+                                rank=spec.rank, world_size=spec.size)
+        try:
+            self.loaded = load_model(spec.model, spec.rank, spec.size, with_tokenizer=False, gpu=spec.gpu)
+            # On CPU every rank's KV partition shares the one memory; on CUDA each has its GPU.
+            sharing = spec.size if self.loaded.device.type == "cpu" else 1
+            self.capacity = Capacity(
+                kv_blocks=num_kv_blocks(spec.cache, self.loaded, spec.max_model_len, spec.max_batch_size, sharing),
+                host_blocks=num_host_kv_blocks(spec.cache, self.loaded, spec.size) if spec.host_tier else 0,
+                host_block_bytes=host_block_bytes(self.loaded.arch, spec.cache.block_size, self.loaded.dtype,
+                                                  spec.cache.offload_dtype))
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+
+    def init_kv(self, sizes: Sizes) -> None:
+        from tokenslice.model.runner import ModelRunner
+
+        spec = self.spec
+        self.runner = ModelRunner(self.loaded, sizes.kv_blocks, spec.cache.block_size, spec.model.seed,
+                                  num_host_blocks=sizes.host_blocks, offload_dtype=spec.cache.offload_dtype)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self.runner is None:
+            raise RuntimeError(f"rank {self.spec.rank}: a plan arrived before the KV sizes")
+        result = self.runner.execute(plan)
+        if self.spec.rank != 0:
+            result.sampled = {}  # every rank samples the same tokens; rank 0's are the answer
+        return result
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -80,13 +146,13 @@ def worker_main(spec: WorkerSpec) -> None:
     plans = ctx.socket(zmq.PULL)
     plans.setsockopt(zmq.LINGER, 0)
     plans.connect(spec.plan_address)
-    rank = str(spec.rank).encode()
+    rank = str(spec.rank.rank).encode()
     code = 0
     try:
         _serve(spec, plans, results, rank)
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
         text = traceback.format_exc()
-        sys.stderr.write(f"tokenslice tensor-parallel rank {spec.rank}:\n{text}")
+        sys.stderr.write(f"tokenslice tensor-parallel rank {spec.rank.rank}:\n{text}")
         results.send_multipart([rank, ERROR, text.encode()])
         code = 1
     finally:
@@ -101,30 +167,10 @@ def worker_main(spec: WorkerSpec) -> None:
 
 
 def _serve(spec: WorkerSpec, plans: zmq.Socket, results: zmq.Socket, rank: bytes) -> None:
-    import torch.distributed as dist
-
-    from tokenslice.model.loader import load_model, rank_device
-    from tokenslice.model.runner import ModelRunner, host_block_bytes, num_host_kv_blocks, num_kv_blocks
-
-    device = rank_device(spec.model.device, spec.rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(spec.threads)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=spec.init_method,
-                            rank=spec.rank, world_size=spec.size)
     encode = msgspec.msgpack.Encoder().encode
-    runner: ModelRunner | None = None
+    worker = RankWorker(spec.rank)
     try:
-        loaded = load_model(spec.model, spec.rank, spec.size, with_tokenizer=False)
-        # On CPU every rank's KV partition shares the one memory; on CUDA each has its GPU.
-        sharing = spec.size if loaded.device.type == "cpu" else 1
-        cap = Capacity(
-            kv_blocks=num_kv_blocks(spec.cache, loaded, spec.max_model_len, spec.max_batch_size, sharing),
-            host_blocks=num_host_kv_blocks(spec.cache, loaded, spec.size) if spec.host_tier else 0,
-            host_block_bytes=host_block_bytes(loaded.arch, spec.cache.block_size, loaded.dtype,
-                                              spec.cache.offload_dtype))
-        results.send_multipart([rank, READY, encode(cap)])
+        results.send_multipart([rank, READY, encode(worker.capacity)])
         decode_plan = msgspec.msgpack.Decoder(StepPlan).decode
         while True:
             if not plans.poll(PARENT_CHECK_MS):
@@ -135,18 +181,9 @@ def _serve(spec: WorkerSpec, plans: zmq.Socket, results: zmq.Socket, rank: bytes
             if kind == STOP:
                 return
             if kind == INIT:
-                sizes = msgspec.msgpack.decode(body, type=Sizes)
-                runner = ModelRunner(loaded, sizes.kv_blocks, spec.cache.block_size, spec.model.seed,
-                                     num_host_blocks=sizes.host_blocks, offload_dtype=spec.cache.offload_dtype)
+                worker.init_kv(msgspec.msgpack.decode(body, type=Sizes))
                 results.send_multipart([rank, RESULT, encode(StepResult())])
                 continue
-            if runner is None:
-                raise RuntimeError(f"rank {spec.rank}: a plan arrived before the KV sizes")
-            result = runner.execute(decode_plan(body))
-            if spec.rank != 0:
-                result.sampled = {}  # every rank samples the same tokens; rank 0's are the answer
-            results.send_multipart([rank, RESULT, encode(result)])
+            results.send_multipart([rank, RESULT, encode(worker.execute(decode_plan(body)))])
     finally:
-        if runner is not None:
-            runner.close()
-        dist.destroy_process_group()
+        worker.close()

@@ -86,14 +86,17 @@ def load_arch(cfg: ModelConfig) -> ArchConfig:
     return parse_config(raw, str(cfg_file))
 
 
-def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True) -> LoadedModel:
+def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True,
+               gpu: int | None = None) -> LoadedModel:
     """The model on its device, and its tokenizer unless `with_tokenizer` is False (seconds of
     imports that a worker process does without). With tp_size > 1, rank `rank`'s share of it
     (model/tp.py): only its slices of the weights are read, the result's `arch` is the share's
-    (its heads, hence its KV partition), and on CUDA it lives on cuda:rank."""
+    (its heads, hence its KV partition), and on CUDA it lives on cuda:gpu (default cuda:rank;
+    a Ray actor sees only its own GPU, as cuda:0)."""
     arch = load_arch(cfg)
     shard = TPShard(arch, rank, tp_size) if tp_size > 1 else None
-    device = rank_device(cfg.device, rank) if shard is not None else resolve_device(cfg.device)
+    gpu = rank if gpu is None else gpu
+    device = rank_device(cfg.device, gpu) if shard is not None else resolve_device(cfg.device)
     local = shard.local_arch if shard is not None else arch
     dtype = resolve_dtype(cfg.dtype, arch, device)
     with torch.device("meta"):
