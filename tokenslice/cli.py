@@ -100,8 +100,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "(FastSwitch); off: one copy per block as vLLM")
     add_field_flag(p, ParallelConfig, "tensor_parallel_size", "-tp",
                    help="split the model over this many ranks (Megatron-style tensor parallelism)")
-    flag(ParallelConfig, "executor", help="where the model runs: mp = one worker process per rank "
+    flag(ParallelConfig, "executor", help="where the model runs: mp = one worker process per rank, "
+                                          "ray = one Ray actor per rank, on one node or several "
                                           "(auto: mp with several ranks, else in this process)")
+    flag(ParallelConfig, "ray_address", metavar="auto|HOST:PORT",
+         help="executor ray: the Ray cluster to join (auto: the one `ray start` runs on this node); "
+              "unset: $RAY_ADDRESS, else a private cluster on this machine")
     flag(SchedulerConfig, "policy", choices=list(POLICY_NAMES))
     flag(SchedulerConfig, "preemption")
     flag(SchedulerConfig, "swap_in",

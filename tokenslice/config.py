@@ -17,8 +17,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # model weights and device 
 OFFLOAD_DTYPES = ("auto", "int8")  # host KV: as on device, or per-channel int8 (ALISE §3.2)
 EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
 # Where the model runs: auto (uni for one rank, mp for several), uni (in the engine's process),
-# mp (one worker process per tensor-parallel rank, exec/multiproc.py).
-EXECUTORS = ("auto", "uni", "mp")
+# mp (one worker process per tensor-parallel rank, exec/multiproc.py), ray (one Ray actor per
+# rank, on one node or several, exec/ray_executor.py).
+EXECUTORS = ("auto", "uni", "mp", "ray")
 
 
 def field_from(cls: type, name: str, **changes: Any) -> Any:
@@ -193,6 +194,10 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     executor: str = field(default="auto", metadata={"choices": EXECUTORS})
+    # executor ray: the cluster to join, "auto" (the one `ray start` runs on this node) or
+    # HOST:PORT of its head; None: $RAY_ADDRESS if set, else a private one-node cluster that the
+    # engine starts and stops.
+    ray_address: str | None = None
 
     def validate(self) -> None:
         _check_choice("executor", self.executor, EXECUTORS)
@@ -200,7 +205,9 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.executor == "uni" and self.tensor_parallel_size > 1:
             raise ValueError(f"executor uni runs one rank; tensor_parallel_size {self.tensor_parallel_size} "
-                             "needs executor mp (or auto)")
+                             "needs executor mp, ray (or auto)")
+        if self.ray_address is not None and self.executor != "ray":
+            raise ValueError(f"ray_address {self.ray_address!r} needs executor ray, got {self.executor}")
 
     @property
     def multiproc(self) -> bool:

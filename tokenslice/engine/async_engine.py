@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tokenslice.engine.engine import Engine
+from tokenslice.exec.base import WorkerError
 from tokenslice.sched.stats import SchedulerStats
 from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput
 
@@ -458,6 +459,8 @@ class AsyncEngine(StreamAdmission):
         st.flush = False
         try:
             outputs = self.engine.step()
+        except WorkerError:
+            raise  # a rank is gone for good: no later step can run; the loop dies
         except Exception:
             st.num_faults += 1
             st.consecutive_faults += 1

@@ -26,6 +26,7 @@ from tokenslice.engine.core_messages import (Abort, AddReply, AddRequest, CoreIn
                                              PriorityReply, Ready, Refusal, SetPriority, Shutdown, StartupFailed,
                                              StateQuery, StateReply)
 from tokenslice.engine.engine import Engine
+from tokenslice.exec.base import WorkerError
 from tokenslice.request import InvalidRequestError, RequestOutput
 
 log = logging.getLogger("tokenslice.engine.core")
@@ -192,6 +193,8 @@ class EngineCore:
         self.flush = False
         try:
             outputs = self.engine.step()
+        except WorkerError:
+            raise  # a rank is gone for good: no later step can run; the core exits (Fatal)
         except Exception:
             self.num_faults += 1
             self.consecutive_faults += 1

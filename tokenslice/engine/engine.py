@@ -72,23 +72,29 @@ class _ModelSide:
 
     @staticmethod
     def start(config: EngineConfig, swapping: bool) -> _ModelSide:
-        """The model in this process, or in one worker process per tensor-parallel rank."""
+        """The model in this process, or in one worker (process or Ray actor) per tensor-parallel rank."""
         from tokenslice.model.loader import load_arch, model_tokenizer
 
-        if config.parallel.multiproc:
-            from tokenslice.exec.multiproc import MultiprocExecutor
+        if config.parallel.multiproc or config.parallel.executor == "ray":
             from tokenslice.model.tp import TPShard
 
             arch = load_arch(config.model)
-            TPShard(arch, 0, config.parallel.tensor_parallel_size)  # refuses a size the heads do not fit
+            tp = config.parallel.tensor_parallel_size
+            TPShard(arch, 0, tp)  # refuses a size the heads do not fit, before any worker starts
             limit = arch.max_position_embeddings
             max_len = min(config.model.max_model_len or limit, limit)
             tokenizer = model_tokenizer(config.model, arch)
-            mp = MultiprocExecutor(config.model, config.cache, config.parallel.tensor_parallel_size,
-                                   max_model_len=max_len, max_batch_size=config.scheduler.max_batch_size,
-                                   host_tier=swapping)
-            return _ModelSide(mp, arch, tokenizer, str(Path(config.model.model)), max_len, mp.num_blocks,
-                              mp.num_host_blocks, mp.host_block_bytes)
+            sizes = dict(max_model_len=max_len, max_batch_size=config.scheduler.max_batch_size, host_tier=swapping)
+            if config.parallel.executor == "ray":
+                from tokenslice.exec.ray_executor import RayExecutor
+
+                ex: Any = RayExecutor(config.model, config.cache, tp, address=config.parallel.ray_address, **sizes)
+            else:
+                from tokenslice.exec.multiproc import MultiprocExecutor
+
+                ex = MultiprocExecutor(config.model, config.cache, tp, **sizes)
+            return _ModelSide(ex, arch, tokenizer, str(Path(config.model.model)), max_len, ex.num_blocks,
+                              ex.num_host_blocks, ex.host_block_bytes)
         from tokenslice.exec.local import LocalExecutor
         from tokenslice.model.loader import load_model
         from tokenslice.model.runner import ModelRunner, num_host_kv_blocks, num_kv_blocks

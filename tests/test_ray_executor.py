@@ -1,0 +1,240 @@
+"""The Ray executor (--executor ray) on one node: a `ray start --head` cluster on 127.0.0.1,
+started once for the module and always stopped. -tp 2 over Ray actors generates what one
+process generates, in fp32, with swaps; `serve --executor ray --ray-address` answers over HTTP
+and survives a client that leaves mid-stream; a killed actor fails the engine fast (WorkerError
+in process; over HTTP an error for the requests in flight and /health 503), never a hang."""
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import ray
+
+from conftest import STORIES
+from serverkit import start_server, until, wait_idle
+from tokenslice import LLM, SamplingParams
+from tokenslice.cli import build_parser, engine_config_from_args
+from tokenslice.config import EngineConfig
+from tokenslice.exec.base import WorkerError
+from tokenslice.exec.ray_executor import RayExecutor
+
+pytestmark = pytest.mark.timeout(300)  # bounds every wait below: a hang fails, it never blocks CI
+
+HEAD_START_S = 120.0  # failure deadline for the cluster to come up
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+# Memory binds (as tests/test_tensor_parallel.py): short late requests outrank the long residents
+# under fixed-priority, which are swapped out and back in.
+PRESSURE = dict(dtype="float32", policy="fixed-priority", kv_cache_blocks=14, max_batch_size=4, host_kv_blocks=64,
+                eviction_amortization=0.0, enable_prefix_caching=False, preemption="reactive-swap")
+_RNG = random.Random(5)
+LONG = [[1] + [_RNG.randrange(3, 500) for _ in range(50)] for _ in range(5)]
+SHORT = [[1] + [_RNG.randrange(3, 500) for _ in range(3)] for _ in range(5)]
+
+
+def _run_waves(llm: LLM) -> list[list[int]]:
+    engine = llm.engine
+    reqs = [engine.add_request(p, GREEDY) for p in LONG]
+    for _ in range(5):
+        engine.step()
+    reqs += [engine.add_request(p, GREEDY) for p in SHORT]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(c) for t in os.listdir(f"/proc/{p}/task")
+                    for c in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+        except FileNotFoundError:
+            continue
+        out += kids
+        todo += kids
+    return out
+
+
+def _rank_actor_pids(head_pid: int) -> set[int]:
+    """The cluster's RankActor processes (Ray titles an actor's process ray::<class>)."""
+    pids = set()
+    for p in _descendants(head_pid):
+        try:
+            if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"ray::RankActor"):
+                pids.add(p)
+        except FileNotFoundError:
+            pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """`ray start --head --block` on 127.0.0.1 with 4 CPUs (a CPU per rank actor, whatever the
+    machine has) in a private temp dir; yields (address, its pid). Stopped with its whole
+    process group. Without token authentication (Ray's default for `ray start`): a driver that
+    names an address does not send the token unless RAY_AUTH_MODE=token, read when ray is
+    imported, which neither this process nor the engine core sets."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tmp = tempfile.mkdtemp(prefix="tsray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    log = open(Path(tmp) / "head.log", "w+")
+    cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", f"--port={port}",
+           "--num-cpus=4", "--num-gpus=0", f"--temp-dir={tmp}",
+           "--include-dashboard=false", "--disable-usage-stats"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+    try:
+        deadline = time.monotonic() + HEAD_START_S
+        while "Ray runtime started" not in Path(log.name).read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()[-3000:]
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()  # --block: stops the cluster's processes
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of its group is left
+        except ProcessLookupError:
+            pass
+        proc.wait(30)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> list[list[int]]:
+    with LLM(str(STORIES), **PRESSURE) as one:
+        return _run_waves(one)
+
+
+@pytest.fixture(scope="module")
+def ray_tp2(ray_head):
+    address, _ = ray_head
+    with LLM(str(STORIES), tensor_parallel_size=2, executor="ray", ray_address=address, **PRESSURE) as llm:
+        yield llm
+
+
+def test_cli_and_config():
+    args = build_parser().parse_args(["serve", "--model", "m", "--executor", "ray", "--ray-address", "auto", "-tp", "2"])
+    cfg = engine_config_from_args(args)
+    assert (cfg.parallel.executor, cfg.parallel.ray_address, cfg.parallel.tensor_parallel_size) == ("ray", "auto", 2)
+    assert not cfg.parallel.multiproc
+    with pytest.raises(ValueError, match="needs executor ray"):
+        EngineConfig.from_options(ray_address="auto").validate()
+
+
+def test_two_actors_match_one_process_with_swaps(ray_tp2, one_rank):
+    assert isinstance(ray_tp2.engine.executor, RayExecutor)
+    assert _run_waves(ray_tp2) == one_rank
+    stats = ray_tp2.engine.scheduler.stats
+    assert stats.preemptions > 0 and stats.swap_out_bytes > 0 and stats.swap_in_bytes == stats.swap_out_bytes
+    kv = ray_tp2.engine.scheduler.kv
+    kv.check()
+    assert kv.device.num_free == kv.device.num_blocks and kv.num_in_flight == 0
+
+
+def test_plans_in_flight_come_back_in_order(ray_tp2):
+    from tokenslice.plan import SeqSlice, StepPlan
+
+    ex = ray_tp2.engine.executor
+    plans = [StepPlan(prefill=[SeqSlice(f"raw-{i}", p, 0, [i], True, GREEDY, 0)])
+             for i, p in enumerate([[1, 5, 9], [1, 7]])]
+    for plan in plans:
+        ex.submit(plan)
+    assert [list(ex.poll().sampled) for _ in plans] == [["raw-0"], ["raw-1"]]
+    ex.execute(StepPlan(finished=["raw-0", "raw-1"]))
+
+
+def test_killed_actor_raises_and_close_cleans_up(ray_tp2, ray_head):
+    # Last user of ray_tp2: it breaks the shared engine.
+    engine, ex = ray_tp2.engine, ray_tp2.engine.executor
+    pids = ex.worker_pids()
+    engine.add_request(LONG[0], GREEDY)
+    engine.step()
+    ray.kill(ex.actors[1])
+    with pytest.raises(WorkerError, match="rank 1"):  # not a hang: the module's timeout bounds it
+        while engine.has_unfinished():
+            engine.step()
+    with pytest.raises(WorkerError, match="rank 1"):
+        engine.step()
+    ray_tp2.close()
+    assert not ray.is_initialized()  # the executor joined the cluster, and left it
+    until(lambda: not (_rank_actor_pids(ray_head[1]) & set(pids)), timeout=60)
+
+
+def test_serve_over_ray_cluster(ray_head, caplog):
+    address, head_pid = ray_head
+    before = _rank_actor_pids(head_pid)
+    with LLM(str(STORIES), dtype="float32") as one:
+        want = one.generate([LONG[1]], GREEDY)[0].text
+    with start_server("--model", str(STORIES), "--dtype", "float32", "--executor", "ray", "-tp", "2",
+                      "--ray-address", address, "--kv-cache-blocks", "64") as srv:
+        actors = sorted(_rank_actor_pids(head_pid) - before)
+        assert len(actors) == 2  # the engine core's two rank actors (pid order, not rank order)
+        client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=120)
+        r = client.completions.create(model=str(STORIES), prompt=LONG[1], max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want and r.usage.completion_tokens == 16
+        # A client that leaves mid-stream: the request is aborted, the engine goes on.
+        stream = client.completions.create(model=str(STORIES), prompt="Once upon a time", max_tokens=400,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        next(chunks)
+        stream.close()
+        assert wait_idle(srv)["tokenslice:kv_cache_usage_perc"] == 0
+        r = client.completions.create(model=str(STORIES), prompt=LONG[1], max_tokens=16, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want
+        # An actor's process killed mid-stream: the stream ends with an error event (the server
+        # logs the cause, the dead rank), and /health turns 503.
+        stream = client.completions.create(model=str(STORIES), prompt="in flight", max_tokens=400,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks)
+        os.kill(actors[1], signal.SIGKILL)
+        with pytest.raises(openai.APIError) as err:
+            for _ in chunks:
+                pass
+        assert "request id cmpl-" in str(err.value)
+        until(lambda: httpx.get(srv.url("/health"), timeout=10).status_code == 503, timeout=60)
+        deaths = [r.getMessage() for r in caplog.records if "engine core failed" in r.getMessage()]
+        assert deaths and re.search(r"WorkerError: tensor-parallel worker rank [01] \(Ray actor\) died", deaths[0])
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.completions.create(model=str(STORIES), prompt="anyone?", max_tokens=4)
+        assert refused.value.status_code == 503
+    until(lambda: not (_rank_actor_pids(head_pid) - before), timeout=60)  # the core's actors are gone
+
+
+def test_private_cluster_when_no_address_is_given(monkeypatch):
+    """No --ray-address and no $RAY_ADDRESS: the engine starts a one-node cluster of its own and
+    stops it on close; the process keeps its SIGTERM handler (ray.init installs one)."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # ray.init sets it for its own cluster; restored after
+    prompt = [1, 72, 101, 108, 108, 111]
+    with LLM("builtin:tiny") as one:
+        want = one.generate([prompt], GREEDY)[0].token_ids
+    handler = signal.getsignal(signal.SIGTERM)
+    assert not ray.is_initialized()
+    with LLM("builtin:tiny", tensor_parallel_size=2, executor="ray") as llm:
+        assert ray.is_initialized() and ray.cluster_resources()["CPU"] >= 2
+        assert signal.getsignal(signal.SIGTERM) is handler
+        assert llm.generate([prompt], GREEDY)[0].token_ids == want
+    assert not ray.is_initialized()

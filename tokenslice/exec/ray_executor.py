@@ -1,0 +1,271 @@
+"""RayExecutor: the tensor-parallel ranks as Ray actors, on one node or several (FastServe §4.3:
+Ray actors as GPU workers, tensor parallelism inside a node, pipeline stages across nodes).
+
+Ray does placement, start-up, plan delivery and failure detection; the tensors go through
+torch.distributed between the actors (gloo on CPU, NCCL on CUDA), rendezvous at rank 0's node
+address on a port it picks. Each actor runs exec/worker.py's RankWorker, the code a
+multiproc worker process runs. Plans travel as actor calls carrying the msgspec bytes the
+multiproc executor sends over ZMQ: Ray already connects every node and reports a dead actor
+or node through the very call that waits for its answer, so no socket crosses nodes outside
+it. A sync actor runs its calls in submission order, so several plans may be in flight.
+
+Placement: one placement group per pipeline stage, STRICT_PACK, one bundle per rank ({GPU: 1}
+on CUDA, {CPU: 1} otherwise), so a stage's ranks share a node (NVLink for the all-reduces)
+and stages go wherever the cluster has room. The executor runs one stage until pipeline
+parallelism gives ranks a stage; `_stages` already places them.
+
+Failure: every wait polls with a timeout; a dead actor or node (RayActorError, NodeDiedError)
+or a rank's exception raises WorkerError naming the rank, the surviving actors are killed (they
+may be stuck in a collective) and later calls raise it again.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import ray
+import ray.exceptions
+import torch
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tokenslice.config import CacheConfig, ModelConfig
+from tokenslice.exec.base import WorkerError
+from tokenslice.exec.merge import RankMerger
+from tokenslice.exec.worker import Capacity, RankSpec, RankWorker, Sizes
+from tokenslice.plan import StepPlan, StepResult
+
+# Ray's errors for a call whose actor, worker process or node is gone.
+_GONE = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError,
+         ray.exceptions.ObjectLostError)
+
+
+class RankActor:
+    """One rank in a Ray actor: a RankWorker, fed msgspec-encoded plans."""
+
+    def __init__(self) -> None:
+        self.worker: RankWorker | None = None
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode_plan = msgspec.msgpack.Decoder(StepPlan).decode
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rendezvous_address(self) -> str:
+        """torch.distributed's meeting point: this node's address and a port free on it."""
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def start(self, spec: RankSpec) -> bytes:
+        self.worker = RankWorker(spec)
+        return self._encode(self.worker.capacity)
+
+    def init_kv(self, sizes: bytes) -> None:
+        assert self.worker is not None
+        self.worker.init_kv(msgspec.msgpack.decode(sizes, type=Sizes))
+
+    def execute(self, plan: bytes) -> bytes:
+        assert self.worker is not None
+        return self._encode(self.worker.execute(self._decode_plan(plan)))
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+
+
+class RayExecutor:
+    """`tp_size` Ray actors; results come back from `poll` in submission order."""
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, tp_size: int, *, max_model_len: int,
+                 max_batch_size: int, host_tier: bool, address: str | None = None,
+                 poll_interval_s: float = 0.2, placement_timeout_s: float = 120.0,
+                 stop_timeout_s: float = 10.0) -> None:
+        self.size = tp_size
+        self.poll_interval_s = poll_interval_s
+        self.stop_timeout_s = stop_timeout_s
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode_result = msgspec.msgpack.Decoder(StepResult).decode
+        self._merger = RankMerger(tp_size)
+        self._in_flight: deque[list[ray.ObjectRef]] = deque()
+        self._broken: str | None = None
+        self._closed = False
+        self.actors: list[Any] = []  # Ray actor handles, by rank
+        self._groups: list[PlacementGroup] = []
+        self._owns_ray = _connect(address, tp_size)
+        try:
+            gpu = _uses_gpu(model)
+            self._groups = _place([tp_size], gpu, placement_timeout_s)
+            self.actors = _start_actors(self._groups, gpu)
+            init_method = self._gather([self.actors[0].rendezvous_address.remote()])[0]
+            threads = max(1, torch.get_num_threads() // tp_size)  # one node's cores shared by its ranks
+            specs = [RankSpec(model, cache, rank, tp_size, max_model_len, max_batch_size, host_tier,
+                              init_method, threads, gpu=0)  # Ray shows an actor its own GPU only
+                     for rank in range(tp_size)]
+            caps = [msgspec.msgpack.decode(b, type=Capacity)
+                    for b in self._gather([a.start.remote(s) for a, s in zip(self.actors, specs)])]
+            # Every rank holds the same blocks (only heads differ), as many as the smallest can.
+            self.num_blocks = min(c.kv_blocks for c in caps)
+            self.num_host_blocks = min(c.host_blocks for c in caps)
+            # The whole model's block, summed over partitions: swap statistics compare with one rank.
+            self.host_block_bytes = sum(c.host_block_bytes for c in caps)
+            sizes = self._encode(Sizes(self.num_blocks, self.num_host_blocks))
+            self._gather([a.init_kv.remote(sizes) for a in self.actors])
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- Executor interface ---------------------------------------------------------------------
+    def submit(self, plan: StepPlan) -> None:
+        self._check_usable()
+        body = self._encode(plan)
+        self._in_flight.append([a.execute.remote(body) for a in self.actors])
+
+    def poll(self) -> StepResult:
+        """The oldest submitted plan's result, merged over ranks; WorkerError if a rank died."""
+        self._check_usable()
+        if not self._in_flight:
+            raise RuntimeError("poll() with no plan submitted")
+        answers = self._gather(self._in_flight.popleft())
+        return self._merger.merge([self._decode_result(b) for b in answers])
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.submit(plan)
+        return self.poll()
+
+    def worker_pids(self) -> list[int]:
+        """Each rank's actor process id (on its node)."""
+        return self._gather([a.pid.remote() for a in self.actors])
+
+    def close(self) -> None:
+        """Stop the actors (kill those that do not stop within stop_timeout_s), free their
+        placement, and leave the cluster this executor started or joined. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.actors and self._broken is None:
+            stops = [a.stop.remote() for a in self.actors]
+            ray.wait(stops, num_returns=len(stops), timeout=self.stop_timeout_s)
+        self._kill_actors()
+        for group in self._groups:
+            remove_placement_group(group)
+        self._groups = []
+        if self._owns_ray:
+            ray.shutdown()
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
+        """Every rank's answer, in rank order; between tries, wait at most poll_interval_s. A dead
+        actor's or node's call fails at once, so a death raises WorkerError within that time."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        answers: list[Any] = [None] * len(refs)
+        dead: list[str] = []
+        failed: list[str] = []
+
+        def collect(ready: list[ray.ObjectRef]) -> None:
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    answers[rank] = ray.get(ref)
+                except _GONE as e:
+                    dead.append(f"tensor-parallel worker rank {rank} (Ray actor) died: {type(e).__name__}: {e}")
+                except ray.exceptions.RayTaskError as e:
+                    failed.append(f"tensor-parallel worker rank {rank} failed:\n{e}")
+
+        pending = list(refs)
+        while pending and not (dead or failed):
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_interval_s)
+            collect(ready)
+        if failed and not dead and pending:
+            # A peer's death makes the survivors' collectives fail first: give its call one
+            # more interval to report, so that the dead rank is named first.
+            collect(ray.wait(pending, num_returns=len(pending), timeout=self.poll_interval_s)[0])
+        if dead or failed:
+            self._fail("; ".join(dead + failed))
+        return answers
+
+    def _kill_actors(self) -> None:
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except ray.exceptions.RayError:
+                pass  # already gone
+        self.actors = []
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise WorkerError(self._broken)
+        if self._closed:
+            raise WorkerError("the executor is closed")
+
+    def _fail(self, message: str) -> None:
+        self._broken = message
+        self._kill_actors()  # the survivors may be stuck in a collective with the dead one
+        raise WorkerError(message)
+
+
+def _connect(address: str | None, workers: int) -> bool:
+    """Join (address, or $RAY_ADDRESS) or start a Ray cluster unless this process already is in
+    one; True if this executor must leave it on close."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    # ray.init sets a SIGTERM handler that exits; the engine core ignores SIGTERM (its server
+    # stops it), so keep whatever this process had.
+    handler = signal.getsignal(signal.SIGTERM)
+    if address:
+        ray.init(address=address, logging_level="warning")
+    else:  # a private one-node cluster, with a CPU for every rank
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False,
+                 logging_level="warning")
+    if handler is not None and signal.getsignal(signal.SIGTERM) is not handler:
+        signal.signal(signal.SIGTERM, handler)
+    return True
+
+
+def _uses_gpu(model: ModelConfig) -> bool:
+    """CUDA ranks ask Ray for a GPU each; "auto" uses them when the cluster has some."""
+    if model.device == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return model.device.startswith("cuda")
+
+
+def _place(stage_sizes: list[int], gpu: bool, timeout_s: float) -> list[PlacementGroup]:
+    """One STRICT_PACK placement group per pipeline stage: a stage's ranks on one node."""
+    bundle = {"GPU": 1.0} if gpu else {"CPU": 1.0}
+    groups = [placement_group([dict(bundle) for _ in range(n)], strategy="STRICT_PACK", name=f"tokenslice-stage{i}")
+              for i, n in enumerate(stage_sizes)]
+    deadline = time.monotonic() + timeout_s
+    for i, group in enumerate(groups):
+        ready, _ = ray.wait([group.ready()], timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            for g in groups:
+                remove_placement_group(g)
+            raise WorkerError(f"the Ray cluster cannot place pipeline stage {i}: {stage_sizes[i]} x {bundle} on one "
+                              f"node within {timeout_s:.0f} s (cluster has {ray.cluster_resources()})")
+    return groups
+
+
+def _start_actors(groups: list[PlacementGroup], gpu: bool) -> list[Any]:
+    """An actor per bundle, rank order = stage order, then bundle order. The actors import the
+    engine's own tokenslice (a source checkout is not on the Ray workers' path by itself)."""
+    root = str(Path(__file__).resolve().parents[2])  # the directory that holds this tokenslice
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    actor_class = ray.remote(RankActor)
+    actors = []
+    for group in groups:
+        for index in range(group.bundle_count):
+            actors.append(actor_class.options(
+                num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0, max_task_retries=0,
+                runtime_env={"env_vars": {"PYTHONPATH": path}},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+            ).remote())
+    return actors
