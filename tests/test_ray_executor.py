@@ -6,7 +6,6 @@ in process; over HTTP an error for the requests in flight and /health 503), neve
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import signal
@@ -24,34 +23,17 @@ import ray
 
 from conftest import STORIES
 from serverkit import start_server, until, wait_idle
-from tokenslice import LLM, SamplingParams
+from tokenslice import LLM
 from tokenslice.cli import build_parser, engine_config_from_args
 from tokenslice.config import EngineConfig
 from tokenslice.exec.base import WorkerError
 from tokenslice.exec.ray_executor import RayExecutor
+from waves import GREEDY, LONG, PRESSURE, check_plans_in_flight_come_back_in_order, run_waves
 
 pytestmark = pytest.mark.timeout(300)  # bounds every wait below: a hang fails, it never blocks CI
 
 HEAD_START_S = 120.0  # failure deadline for the cluster to come up
-GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-# Memory binds (as tests/test_tensor_parallel.py): short late requests outrank the long residents
-# under fixed-priority, which are swapped out and back in.
-PRESSURE = dict(dtype="float32", policy="fixed-priority", kv_cache_blocks=14, max_batch_size=4, host_kv_blocks=64,
-                eviction_amortization=0.0, enable_prefix_caching=False, preemption="reactive-swap")
-_RNG = random.Random(5)
-LONG = [[1] + [_RNG.randrange(3, 500) for _ in range(50)] for _ in range(5)]
-SHORT = [[1] + [_RNG.randrange(3, 500) for _ in range(3)] for _ in range(5)]
-
-
-def _run_waves(llm: LLM) -> list[list[int]]:
-    engine = llm.engine
-    reqs = [engine.add_request(p, GREEDY) for p in LONG]
-    for _ in range(5):
-        engine.step()
-    reqs += [engine.add_request(p, GREEDY) for p in SHORT]
-    while engine.has_unfinished():
-        engine.step()
-    return [r.output_token_ids for r in reqs]
+SWAPS = dict(PRESSURE, preemption="reactive-swap")  # residents are swapped out and back in
 
 
 def _descendants(pid: int) -> list[int]:
@@ -120,14 +102,14 @@ def ray_head():
 
 @pytest.fixture(scope="module")
 def one_rank() -> list[list[int]]:
-    with LLM(str(STORIES), **PRESSURE) as one:
-        return _run_waves(one)
+    with LLM(str(STORIES), **SWAPS) as one:
+        return run_waves(one.engine)
 
 
 @pytest.fixture(scope="module")
 def ray_tp2(ray_head):
     address, _ = ray_head
-    with LLM(str(STORIES), tensor_parallel_size=2, executor="ray", ray_address=address, **PRESSURE) as llm:
+    with LLM(str(STORIES), tensor_parallel_size=2, executor="ray", ray_address=address, **SWAPS) as llm:
         yield llm
 
 
@@ -142,7 +124,7 @@ def test_cli_and_config():
 
 def test_two_actors_match_one_process_with_swaps(ray_tp2, one_rank):
     assert isinstance(ray_tp2.engine.executor, RayExecutor)
-    assert _run_waves(ray_tp2) == one_rank
+    assert run_waves(ray_tp2.engine) == one_rank
     stats = ray_tp2.engine.scheduler.stats
     assert stats.preemptions > 0 and stats.swap_out_bytes > 0 and stats.swap_in_bytes == stats.swap_out_bytes
     kv = ray_tp2.engine.scheduler.kv
@@ -151,15 +133,7 @@ def test_two_actors_match_one_process_with_swaps(ray_tp2, one_rank):
 
 
 def test_plans_in_flight_come_back_in_order(ray_tp2):
-    from tokenslice.plan import SeqSlice, StepPlan
-
-    ex = ray_tp2.engine.executor
-    plans = [StepPlan(prefill=[SeqSlice(f"raw-{i}", p, 0, [i], True, GREEDY, 0)])
-             for i, p in enumerate([[1, 5, 9], [1, 7]])]
-    for plan in plans:
-        ex.submit(plan)
-    assert [list(ex.poll().sampled) for _ in plans] == [["raw-0"], ["raw-1"]]
-    ex.execute(StepPlan(finished=["raw-0", "raw-1"]))
+    check_plans_in_flight_come_back_in_order(ray_tp2.engine.executor)
 
 
 def test_killed_actor_raises_and_close_cleans_up(ray_tp2, ray_head):

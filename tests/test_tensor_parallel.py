@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import shutil
 import signal
 import socket
@@ -34,28 +33,10 @@ from tokenslice.predict.cost import load_cost_model
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler
+from waves import GREEDY, LONG, PRESSURE, SHORT, check_plans_in_flight_come_back_in_order
+from waves import run_waves as _run_waves
 
 pytestmark = pytest.mark.timeout(240)
-
-GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-# Memory binds: 14 blocks of 16 tokens for 4 running requests of up to 67 tokens; short requests
-# arriving later outrank the long ones under fixed-priority, so residents are evicted.
-PRESSURE = dict(dtype="float32", policy="fixed-priority", kv_cache_blocks=14, max_batch_size=4, host_kv_blocks=64,
-                eviction_amortization=0.0, enable_prefix_caching=False)
-_RNG = random.Random(3)
-LONG = [[1] + [_RNG.randrange(3, 500) for _ in range(50)] for _ in range(6)]
-SHORT = [[1] + [_RNG.randrange(3, 500) for _ in range(3)] for _ in range(6)]
-
-
-def _run_waves(engine: Engine) -> list[list[int]]:
-    reqs = [engine.add_request(p, GREEDY) for p in LONG]
-    for _ in range(5):
-        engine.step()
-    reqs += [engine.add_request(p, GREEDY) for p in SHORT]
-    while engine.has_unfinished():
-        engine.step()
-    return [r.output_token_ids for r in reqs]
-
 
 def _one_rank(path: str, **settings) -> tuple[list[list[int]], Scheduler]:
     with LLM(path, **{**PRESSURE, **settings}) as one:
@@ -165,14 +146,7 @@ def test_immediate_executors_queue_results_in_order():
 
 
 def test_plans_in_flight_come_back_in_order(stories_tp2):
-    ex = stories_tp2.engine.executor
-    plans = [StepPlan(prefill=[SeqSlice(f"raw-{i}", p, 0, [i], True, GREEDY, 0)])
-             for i, p in enumerate([[1, 5, 9], [1, 7]])]
-    for plan in plans:
-        ex.submit(plan)
-    results = [ex.poll(), ex.poll()]
-    assert [list(r.sampled) for r in results] == [["raw-0"], ["raw-1"]]
-    ex.execute(StepPlan(finished=["raw-0", "raw-1"]))
+    check_plans_in_flight_come_back_in_order(stories_tp2.engine.executor)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen2-1kv", "opt"])
