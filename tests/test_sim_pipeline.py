@@ -72,7 +72,7 @@ def test_two_batches_in_flight_complete_every_request_never_twice_in_the_pipe(po
     """Memory binds (preemptions, drops, swaps), requests arrive over time: every request
     finishes with its full output, and no request is ever in two batches in flight."""
     eng = _engine(policy, preemption, blocks=60)
-    assert isinstance(eng.executor, PipelinedSimulatedExecutor) and eng.executor.max_in_flight == 2
+    assert isinstance(eng.executor, PipelinedSimulatedExecutor) and eng.max_in_flight == 2
     watch = InFlightWatch(eng)
     trace = _trace(80, rate=40.0)
     reqs = eng.replay(trace)
@@ -154,4 +154,4 @@ def test_one_stage_profiles_keep_the_plain_simulator() -> None:
     """Without :ppM the simulator is the single-batch executor with fast-forward, as before."""
     eng = _engine("fcfs", "recompute", spec="opt-66b@a100-40gb:tp4")
     assert not isinstance(eng.executor, PipelinedSimulatedExecutor) and eng.fast_forward
-    assert eng.executor.max_in_flight == 1
+    assert eng.max_in_flight == 1

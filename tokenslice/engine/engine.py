@@ -47,10 +47,7 @@ class StepTimings:
 class Executor(Protocol):
     """Runs plans (DESIGN.md, Executor). `submit` hands over a plan and `poll` returns the
     oldest submitted plan's result, so several plans may be in flight (pipeline parallelism);
-    `execute(plan)` is submit + poll, what the engine loop calls with one plan in flight.
-    `max_in_flight` > 1: the loop keeps up to that many plans submitted (_advance_pipelined)."""
-
-    max_in_flight: int
+    `execute(plan)` is submit + poll, what the engine loop calls with one plan in flight."""
 
     def submit(self, plan: StepPlan) -> None: ...
 
@@ -146,7 +143,8 @@ def tokenize_prompt(tokenizer: Any | None, prompt: str | list[int]) -> list[int]
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, *, tokenizer: Any | None,
                  clock: RealClock | VirtualClock, max_model_len: int, vocab_size: int,
-                 eos_token_ids: list[int], model_name: str = "") -> None:
+                 eos_token_ids: list[int], model_name: str = "", max_in_flight: int = 1) -> None:
+        """`max_in_flight`: plans the executor may hold at once (its pipeline stages)."""
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -170,7 +168,8 @@ class Engine:
         # Off in the engine-core process: the API server detokenizes and applies stop strings there.
         self.detokenize = True
         self.step_trace: StepTraceWriter | None = None  # --step-trace: one record per real step
-        self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (executor.max_in_flight > 1)
+        self.max_in_flight = max_in_flight
+        self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -257,8 +256,9 @@ class Engine:
         pipelined = cost.pipeline_parallel > 1
         executor = (PipelinedSimulatedExecutor(cost, clock, block_bytes, max_in_flight) if pipelined
                     else SimulatedExecutor(cost, clock, block_bytes))
-        engine = cls(scheduler, executor, tokenizer=None, clock=clock,
-                     max_model_len=max_model_len, vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name)
+        engine = cls(scheduler, executor, tokenizer=None, clock=clock, max_model_len=max_model_len,
+                     vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name,
+                     max_in_flight=executor.max_in_flight if pipelined else 1)
         engine.fast_forward = not pipelined  # bulk repeats assume one batch at a time
         return engine
 
@@ -344,7 +344,8 @@ class Engine:
         return self.scheduler.abort(request_id, self.clock.now()) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Live requests, or plans still in flight (of requests aborted meanwhile)."""
+        return self.scheduler.has_unfinished() or bool(self._pipe)
 
     def state(self) -> dict[str, Any]:
         """The scheduler as plain data for a live view (sched/snapshot.py): ids and counts, no text."""
@@ -369,7 +370,7 @@ class Engine:
         event: a finish, a policy change, KV growth that no longer fits, `horizon` (the next
         arrival) or `max_steps` steps (the next priority update). `produced` then lists each
         request once."""
-        if self.executor.max_in_flight > 1:
+        if self.max_in_flight > 1:
             return self._advance_pipelined(horizon)
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(self.clock.now())
@@ -393,7 +394,7 @@ class Engine:
         admitted before the oldest batch returns, as a real loop would."""
         ex, sched = self.executor, self.scheduler
         t0 = time.perf_counter()
-        while len(self._pipe) < ex.max_in_flight:
+        while len(self._pipe) < self.max_in_flight:
             plan = sched.schedule(self.clock.now())
             if self._pipe and not plan.has_work:
                 sched.keep_released(plan)
@@ -403,7 +404,7 @@ class Engine:
             if not plan.has_work:
                 break  # nothing could start: wait for what the executor is doing
         t1 = time.perf_counter()
-        if isinstance(ex, PipelinedSimulatedExecutor) and len(self._pipe) < ex.max_in_flight:
+        if isinstance(ex, PipelinedSimulatedExecutor) and len(self._pipe) < self.max_in_flight:
             ready = ex.next_ready()
             if ready is not None and horizon < ready:
                 self.clock.advance_to(horizon)

@@ -11,8 +11,6 @@ from tokenslice.plan import StepPlan, StepResult
 class ImmediateExecutor:
     """Subclasses implement `run(plan)`; results come back from `poll` in submission order."""
 
-    max_in_flight = 1  # plans the engine may submit before it polls (pipeline stages keep more)
-
     def __init__(self) -> None:
         self._results: deque[StepResult] = deque()
 

@@ -77,8 +77,6 @@ class _Workers:
 class MultiprocExecutor:
     """`tp_size` worker processes; results come back from `poll` in submission order."""
 
-    max_in_flight = 1  # plans the engine submits before it polls
-
     def __init__(self, model: ModelConfig, cache: CacheConfig, tp_size: int, *, max_model_len: int,
                  max_batch_size: int, host_tier: bool, poll_interval_s: float = 0.2) -> None:
         self.size = tp_size
