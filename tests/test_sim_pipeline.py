@@ -155,3 +155,24 @@ def test_one_stage_profiles_keep_the_plain_simulator() -> None:
     eng = _engine("fcfs", "recompute", spec="opt-66b@a100-40gb:tp4")
     assert not isinstance(eng.executor, PipelinedSimulatedExecutor) and eng.fast_forward
     assert eng.max_in_flight == 1
+
+
+def test_measured_profile_splits_into_stages() -> None:
+    """A profile measured through M stages (one batch at a time): equal stage shares of the pass
+    less the sends between them; it round-trips through JSON and drives the pipelined simulator."""
+    from tokenslice.predict.cost import CostModel, ProfileCostModel, TransferSpec
+
+    coef = {"base": 1e-3, "prefill_tokens": 1e-5, "decode_seqs": 2e-5, "context_tokens": 1e-7, "prefill_context": 0.0}
+    cost = ProfileCostModel(coef, TransferSpec(1e10, 1e-5), 1024, model="m", device="cpu", pipeline_parallel=2,
+                            p2p=TransferSpec(1e9, 30e-6), activation_bytes_per_token=2048)
+    assert cost.name == "m@cpu:pp2"
+    shape = BatchShape.from_lengths(decode=[64] * 8)
+    stages = cost.stage_seconds(shape)
+    assert cost.p2p_seconds(8) == pytest.approx(30e-6 + 8 * 2048 / 1e9)
+    assert stages[0] == stages[1] and sum(stages) + cost.p2p_seconds(8) == pytest.approx(cost.iteration_seconds(shape))
+    again = CostModel.from_dict(cost.to_dict())
+    assert again.name == cost.name and again.stage_seconds(shape) == stages
+    eng = Engine.simulated(SchedulerConfig(policy="fcfs", max_batch_size=4), again, kv_cache_blocks=200)
+    assert isinstance(eng.executor, PipelinedSimulatedExecutor) and eng.max_in_flight == 2
+    reqs = eng.replay(_trace(12))
+    assert all(r.is_finished for r in reqs)

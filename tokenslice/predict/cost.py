@@ -499,11 +499,16 @@ class ProfileCostModel(CostModel):
 
     def __init__(self, coefficients: dict[str, float], transfer: TransferSpec, kv_bytes_per_token: int,
                  model: str = "unknown", device: str = "unknown", samples: int = 0,
-                 r2: float | None = None, tensor_parallel: int = 1) -> None:
+                 r2: float | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                 p2p: TransferSpec | None = None, activation_bytes_per_token: int = 0) -> None:
         """`tensor_parallel`: GPUs the measured engine sharded the model over (its iteration times
-        include their collectives; KV bytes per token are the whole model's)."""
-        if tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+        include their collectives; KV bytes per token are the whole model's).
+        `pipeline_parallel`: stages the measured pass went through, one batch at a time; a stage
+        takes an equal share of it less the sends between stages, each `p2p` (per send, per byte)
+        for `activation_bytes_per_token` bytes a token."""
+        if tensor_parallel < 1 or pipeline_parallel < 1:
+            raise ValueError(f"tensor_parallel and pipeline_parallel must be >= 1, got {tensor_parallel}, "
+                             f"{pipeline_parallel}")
         missing = [k for k in PROFILE_FEATURES if k not in coefficients and k not in OPTIONAL_FEATURES]
         if missing:
             raise ValueError(f"profile coefficients missing {missing}; need {list(PROFILE_FEATURES)}")
@@ -516,10 +521,14 @@ class ProfileCostModel(CostModel):
         self.samples = samples
         self.r2 = r2
         self.tensor_parallel = tensor_parallel
+        self.pipeline_parallel = pipeline_parallel
+        self.p2p = p2p or TransferSpec(float("inf"), 0.0)
+        self.activation_bytes_per_token = int(activation_bytes_per_token)
 
     @property
     def name(self) -> str:
         suffix = f":tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        suffix += f":pp{self.pipeline_parallel}" if self.pipeline_parallel > 1 else ""
         return f"{self.model}@{self.device}{suffix}"
 
     @property
@@ -531,24 +540,40 @@ class ProfileCostModel(CostModel):
             return 0.0
         return max(float(np.dot(self._weights, profile_features(shape))), 0.0)
 
+    def stage_seconds(self, shape: BatchShape) -> list[float]:
+        m = self.pipeline_parallel
+        compute = self.iteration_seconds(shape) - (m - 1) * self.p2p_seconds(shape.num_tokens)
+        return [max(compute, 0.0) / m] * m
+
+    def p2p_seconds(self, num_tokens: int) -> float:
+        if self.pipeline_parallel == 1 or num_tokens <= 0:
+            return 0.0
+        return self.p2p.seconds(num_tokens * self.activation_bytes_per_token)
+
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
         return self.transfer.seconds(num_bytes, num_ops)
 
     def to_dict(self) -> dict[str, Any]:
+        pipeline = {} if self.pipeline_parallel == 1 else {
+            "pipeline_parallel": self.pipeline_parallel, "activation_bytes_per_token": self.activation_bytes_per_token,
+            "p2p": {"bytes_per_s": self.p2p.bytes_per_s, "op_overhead_s": self.p2p.op_overhead_s}}
         return {"kind": self.kind, "model": self.model, "device": self.device,
                 "coefficients": dict(self.coefficients),
                 "transfer": {"bytes_per_s": self.transfer.bytes_per_s, "op_overhead_s": self.transfer.op_overhead_s},
                 "kv_bytes_per_token": self.kv_bytes_per_token, "samples": self.samples, "r2": self.r2,
-                "tensor_parallel": self.tensor_parallel}
+                "tensor_parallel": self.tensor_parallel, **pipeline}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProfileCostModel:
-        t = data["transfer"]
+        t, p2p = data["transfer"], data.get("p2p")
         return cls(coefficients=data["coefficients"],
                    transfer=TransferSpec(float(t["bytes_per_s"]), float(t["op_overhead_s"])),
                    kv_bytes_per_token=int(data["kv_bytes_per_token"]), model=data.get("model", "unknown"),
                    device=data.get("device", "unknown"), samples=int(data.get("samples", 0)), r2=data.get("r2"),
-                   tensor_parallel=int(data.get("tensor_parallel", 1)))
+                   tensor_parallel=int(data.get("tensor_parallel", 1)),
+                   pipeline_parallel=int(data.get("pipeline_parallel", 1)),
+                   p2p=TransferSpec(float(p2p["bytes_per_s"]), float(p2p["op_overhead_s"])) if p2p else None,
+                   activation_bytes_per_token=int(data.get("activation_bytes_per_token", 0)))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
