@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import SchedulerConfig
@@ -176,3 +178,19 @@ def test_measured_profile_splits_into_stages() -> None:
     assert isinstance(eng.executor, PipelinedSimulatedExecutor) and eng.max_in_flight == 2
     reqs = eng.replay(_trace(12))
     assert all(r.is_finished for r in reqs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), mode=st.sampled_from(MODES), stages=st.integers(2, 4),
+       in_flight=st.integers(1, 4), blocks=st.integers(30, 120))
+def test_in_flight_rule_holds_for_any_depth(seed: int, mode: tuple[str, str], stages: int, in_flight: int,
+                                            blocks: int) -> None:
+    """Property: whatever the policy, memory mode, stage count, pipe depth and KV pool, every
+    request completes and none is ever in two batches in flight."""
+    eng = _engine(*mode, in_flight, blocks=blocks, batch=4, spec=f"opt-66b@a100-40gb:tp2:pp{stages}")
+    watch = InFlightWatch(eng)
+    trace = _trace(30, seed=seed, rate=60.0)
+    reqs = eng.replay(trace)
+    assert [r.num_output_tokens for r in reqs] == [t.output_len for t in trace]
+    assert watch.most <= in_flight and not watch.flight
+    eng.scheduler.kv.check()
