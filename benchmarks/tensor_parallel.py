@@ -3,7 +3,8 @@
 The 56M Llama of benchmarks/engine_vs_hf.py (hidden 512, 8 layers, 8 heads, 4 KV heads), fp32,
 64 prompt + 64 generated tokens per request. Configurations: -tp 1 with one torch thread, -tp 1
 with as many threads as -tp 2 has processes (the same cores), and -tp 2 with one thread per
-worker. The time is the engine step's wall time over decode-only steps (scheduling, messages,
+worker, in worker processes (--executor mp) and in Ray actors of a private one-node cluster
+(--executor ray: the same rank code, plans as actor calls instead of ZMQ messages). The time is the engine step's wall time over decode-only steps (scheduling, messages,
 all-reduces and sampling included).
 
     PYTHONPATH=. .venv/bin/python benchmarks/tensor_parallel.py [--batches 1,16] [--out results/tensor_parallel.json]
@@ -96,22 +97,23 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    configs = [("-tp 1, 1 thread", 1, 1), ("-tp 1, 2 threads", 1, 2), ("-tp 2, 1 thread/rank", 2, 2)]
+    configs = [("-tp 1, 1 thread", 1, 1, "auto"), ("-tp 1, 2 threads", 1, 2, "auto"),
+               ("-tp 2, 1 thread/rank", 2, 2, "mp"), ("-tp 2 Ray, 1 thread/rank", 2, 2, "ray")]
     rows = []
     with tempfile.TemporaryDirectory() as d:
         params = build_checkpoint(Path(d))
-        for label, tp, threads in configs:
+        for label, tp, threads, executor in configs:
             torch.set_num_threads(threads)  # -tp 2: each worker gets threads // tp
-            with LLM(d, dtype="float32", tensor_parallel_size=tp,
+            with LLM(d, dtype="float32", tensor_parallel_size=tp, executor=executor,
                      max_batch_size=max(batches), kv_cache_blocks=max(batches) * (PROMPT + NEW) // 16 + 8) as llm:
                 for b in batches:
                     wall, model = decode_step_ms(llm, b)
                     rows.append({"config": label, "batch": b, "step_ms": wall, "executor_step_ms": model})
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"torch {torch.__version__}; model {params / 1e6:.1f}M params fp32; median decode step")
-    print(f"{'config':<22}{'batch':>6}{'step ms':>10}{'executor ms':>13}")
+    print(f"{'config':<26}{'batch':>6}{'step ms':>10}{'executor ms':>13}")
     for r in rows:
-        print(f"{r['config']:<22}{r['batch']:>6}{r['step_ms']:>10.2f}{r['executor_step_ms']:>13.2f}")
+        print(f"{r['config']:<26}{r['batch']:>6}{r['step_ms']:>10.2f}{r['executor_step_ms']:>13.2f}")
     collective = allreduce_us(batches)
     print("gloo all-reduce of [batch, 512] fp32, 2 processes: "
           + ", ".join(f"batch {b}: {us:.0f} us" for b, us in collective.items()))
