@@ -24,7 +24,7 @@ from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestError, Request, RequestOutput,
                                 SamplingParams, TokenLogprobs)
-from tokenslice.predict.cost import CostModel, load_cost_model
+from tokenslice.predict.cost import CostModel, LoopShape, load_cost_model
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler
@@ -157,6 +157,10 @@ class Engine:
         # Simulator only: repeat unchanged decode batches in bulk between events (exact).
         self.fast_forward = False
         self.max_fast_forward_steps = 4096
+        # Simulator only: a cost model whose loop terms (fitted on step traces) advance the clock
+        # besides each forward pass, as a real engine's scheduling and bookkeeping take time.
+        self.loop_cost: CostModel | None = None
+        self._arrivals = 0  # requests added since the last step
         self.length_predictor: Any | None = None  # predict.length.LengthPredictor, for srpt-predicted
         self._prompt_text: dict[str, str] = {}
         # Logprobs computed since a request's last output (sampled token, prompt positions).
@@ -249,6 +253,8 @@ class Engine:
         engine = cls(scheduler, SimulatedExecutor(cost, clock, block_bytes), tokenizer=None, clock=clock,
                      max_model_len=max_model_len, vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name)
         engine.fast_forward = True
+        if cost.has_loop_cost:
+            engine.loop_cost = cost
         return engine
 
     # ---- requests ---------------------------------------------------------------------------
@@ -292,6 +298,7 @@ class Engine:
         if self.length_predictor is not None and self.tokenizer is not None:
             self._predict_length(req, prompt_text)
         self.scheduler.add(req, now)
+        self._arrivals += 1
         if self.tokenizer is not None and self.detokenize:
             self._detok[req.request_id] = IncrementalDetokenizer.for_request(self.tokenizer, ids, params)
         return req
@@ -371,7 +378,7 @@ class Engine:
         counts = self._counts() if self.step_trace is not None else (0, 0, 0)
         result = self.executor.execute(plan)
         t2 = time.perf_counter()
-        self.clock.advance(result.step_seconds)
+        self.clock.advance(result.step_seconds + self._loop_seconds(len(result.sampled)))
         self.num_steps += 1
         now = self.clock.now()
         produced = self.scheduler.update(plan, result, now)
@@ -397,6 +404,14 @@ class Engine:
                                               counts, (t1 - t0, t2 - t1, t3 - t2), len(finished)))
         return produced, finished
 
+    def _loop_seconds(self, sampled: int) -> float:
+        """Simulator: the loop's own time this step (0.0 without loop terms); takes the arrivals
+        since the last step into it."""
+        arrivals, self._arrivals = self._arrivals, 0
+        if self.loop_cost is None:
+            return 0.0
+        return self.loop_cost.loop_seconds(LoopShape(len(self.scheduler.requests), sampled, arrivals))
+
     def _counts(self) -> tuple[int, int, int]:
         """(running, waiting, preempted) requests, as the step trace records them."""
         sched = self.scheduler
@@ -413,8 +428,9 @@ class Engine:
             return None
         cap = self.max_fast_forward_steps if max_steps is None else min(self.max_fast_forward_steps, max_steps)
         k = sched.max_repeat(reqs, cap)
-        if k < 2:
-            return None
+        if k < 2 or (self.loop_cost is not None and self._arrivals):
+            return None  # arrivals cost the next step alone: it runs by itself
+        loop_s = self._loop_seconds(len(reqs))
         # Grow the window in doubling chunks: most runs end early (an arrival, a demotion), and
         # durations past that point would be wasted work.
         durations: list[float] = []
@@ -422,7 +438,8 @@ class Engine:
         window = min(k, 16)
         while True:
             more_d, more_e = sim.repeat_decode_times(
-                reqs, window - len(durations), ends[-1] if ends else self.clock.now(), first_step=len(durations))
+                reqs, window - len(durations), ends[-1] if ends else self.clock.now(), first_step=len(durations),
+                loop_s=loop_s)
             durations += more_d
             ends += more_e
             # Stop at the first step that reaches the next arrival, as step-by-step replay would.

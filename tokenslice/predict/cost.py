@@ -79,6 +79,21 @@ class BatchShape:
 
 
 @dataclass(frozen=True)
+class LoopShape:
+    """What the engine loop handles around one forward pass, besides the batch itself.
+
+    live: unfinished requests after scheduling (running, waiting, preempted): the policy ranks
+        and the scheduler walks all of them every step.
+    sampled: tokens the step produced: each is appended, checked for a stop and sent on.
+    arrivals: requests added since the previous step (in a real engine, between the two).
+    """
+
+    live: int = 0
+    sampled: int = 0
+    arrivals: int = 0
+
+
+@dataclass(frozen=True)
 class HardwareSpec:
     """One accelerator, from its public datasheet, plus calibrated efficiency and overheads."""
 
@@ -234,6 +249,16 @@ class CostModel(ABC):
     @abstractmethod
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
         """Wall time to copy `num_bytes` between device and host in `num_ops` copy operations."""
+
+    @property
+    def has_loop_cost(self) -> bool:
+        """Whether `loop_seconds` can be non-zero (the simulator skips counting otherwise)."""
+        return False
+
+    def loop_seconds(self, loop: LoopShape) -> float:
+        """Wall time of the engine loop's own work in one step (scheduling, bookkeeping, output,
+        arrivals), which the simulator adds to the forward pass; 0.0 unless fitted on step traces."""
+        return 0.0
 
     @abstractmethod
     def to_dict(self) -> dict[str, Any]:
@@ -417,6 +442,15 @@ def profile_features(shape: BatchShape) -> list[float]:
             float(shape.decode_seqs > 0)]
 
 
+# The engine loop's own time per step (`loop_seconds`), fitted on step traces; JSON key "loop".
+# Profiles without it (synthetic sweeps, older files) have every term at zero.
+LOOP_FEATURES = ("base", "live", "sampled", "arrivals")
+
+
+def loop_features(loop: LoopShape) -> list[float]:
+    return [1.0, float(loop.live), float(loop.sampled), float(loop.arrivals)]
+
+
 class ProfileCostModel(CostModel):
     """Linear cost fitted to iterations measured on this machine (see `fit_profile`)."""
 
@@ -424,9 +458,10 @@ class ProfileCostModel(CostModel):
 
     def __init__(self, coefficients: dict[str, float], transfer: TransferSpec, kv_bytes_per_token: int,
                  model: str = "unknown", device: str = "unknown", samples: int = 0,
-                 r2: float | None = None, tensor_parallel: int = 1) -> None:
+                 r2: float | None = None, tensor_parallel: int = 1, loop: dict[str, float] | None = None) -> None:
         """`tensor_parallel`: GPUs the measured engine sharded the model over (its iteration times
-        include their collectives; KV bytes per token are the whole model's)."""
+        include their collectives; KV bytes per token are the whole model's). `loop`: coefficients
+        over LOOP_FEATURES (missing ones are 0)."""
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
         missing = [k for k in PROFILE_FEATURES if k not in coefficients and k not in OPTIONAL_FEATURES]
@@ -441,6 +476,11 @@ class ProfileCostModel(CostModel):
         self.samples = samples
         self.r2 = r2
         self.tensor_parallel = tensor_parallel
+        unknown = set(loop or {}) - set(LOOP_FEATURES)
+        if unknown:
+            raise ValueError(f"unknown loop terms {sorted(unknown)}; expected {list(LOOP_FEATURES)}")
+        self.loop = {k: float((loop or {}).get(k, 0.0)) for k in LOOP_FEATURES}
+        self._loop_weights = np.array([self.loop[k] for k in LOOP_FEATURES])
 
     @property
     def name(self) -> str:
@@ -459,9 +499,18 @@ class ProfileCostModel(CostModel):
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
         return self.transfer.seconds(num_bytes, num_ops)
 
+    @property
+    def has_loop_cost(self) -> bool:
+        return any(self.loop.values())
+
+    def loop_seconds(self, loop: LoopShape) -> float:
+        if not self.has_loop_cost:
+            return 0.0
+        return max(float(np.dot(self._loop_weights, loop_features(loop))), 0.0)
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "model": self.model, "device": self.device,
-                "coefficients": dict(self.coefficients),
+                "coefficients": dict(self.coefficients), "loop": dict(self.loop),
                 "transfer": {"bytes_per_s": self.transfer.bytes_per_s, "op_overhead_s": self.transfer.op_overhead_s},
                 "kv_bytes_per_token": self.kv_bytes_per_token, "samples": self.samples, "r2": self.r2,
                 "tensor_parallel": self.tensor_parallel}
@@ -473,7 +522,7 @@ class ProfileCostModel(CostModel):
                    transfer=TransferSpec(float(t["bytes_per_s"]), float(t["op_overhead_s"])),
                    kv_bytes_per_token=int(data["kv_bytes_per_token"]), model=data.get("model", "unknown"),
                    device=data.get("device", "unknown"), samples=int(data.get("samples", 0)), r2=data.get("r2"),
-                   tensor_parallel=int(data.get("tensor_parallel", 1)))
+                   tensor_parallel=int(data.get("tensor_parallel", 1)), loop=data.get("loop"))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
