@@ -64,7 +64,8 @@ def synthetic_trace(n: int, seed: int) -> list[StepRecord]:
 def test_fit_on_a_synthetic_trace_recovers_its_coefficients() -> None:
     steps = traced_steps(synthetic_trace(3000, seed=0))
     assert {s.kind for s in steps} == {"prefill", "decode", "mixed", "swap"}
-    cost = fit_steps(steps, kv_bytes_per_token=1280, block_bytes=BLOCK_BYTES, transfer=TransferSpec(25e9, 1e-5))
+    cost = fit_steps(steps, kv_bytes_per_token=1280, block_bytes=BLOCK_BYTES, transfer=TransferSpec(25e9, 1e-5),
+                     match_total=False)
     for name in PROFILE_FEATURES:
         assert cost.coefficients[name] == pytest.approx(FORWARD[name], rel=0.05), name
     for name, value in LOOP.items():
@@ -76,7 +77,16 @@ def test_fit_on_a_synthetic_trace_recovers_its_coefficients() -> None:
     errors = evaluate_steps(cost, traced_steps(synthetic_trace(1000, seed=1)), BLOCK_BYTES)
     assert errors["all"].median < 0.02 and errors["forward"].median < 0.02
     assert errors["all"].p99 > 0.5  # the stalled steps are still there, not fitted away
+    assert errors["all"].total < -0.01  # and the typical step leaves their time out
     assert set(errors) == {"all", "prefill", "decode", "mixed", "swap", "forward"}
+
+    # Matching the total scales every term alike, so the steps add up to the traced time.
+    matched = fit_steps(steps, kv_bytes_per_token=1280, block_bytes=BLOCK_BYTES, transfer=TransferSpec(25e9, 1e-5))
+    scale = matched.coefficients["base"] / cost.coefficients["base"]
+    assert scale > 1.01
+    assert all(matched.coefficients[k] == pytest.approx(v * scale) for k, v in cost.coefficients.items())
+    assert all(matched.loop[k] == pytest.approx(v * scale) for k, v in cost.loop.items())
+    assert evaluate_steps(matched, steps, BLOCK_BYTES)["all"].total == pytest.approx(0.0, abs=1e-9)
 
 
 def test_loop_time_counts_live_requests_and_idle_gaps_are_left_out() -> None:

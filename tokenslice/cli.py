@@ -586,6 +586,9 @@ def add_simulation_subcommands(sub: Any) -> None:
         add_field_flag(p, ProfileOptions, name, help=text)
     add_field_flag(p, ProfileOptions, "tensor_parallel_size", "-tp",
                    help="GPUs to shard the model over; the profile records it (its name shows :tpN)")
+    add_field_flag(p, ProfileOptions, "match_total", action=argparse.BooleanOptionalAction,
+                   help="--from-trace: scale the fit so the traced steps add up to their wall time (the "
+                   "engine's throughput, rare long stalls included); off: fit the typical step")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_profile)
 

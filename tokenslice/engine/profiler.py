@@ -475,7 +475,7 @@ def profile_from_traces(opts: ProfileOptions, traces: Sequence[str | Path]) -> P
         transfer = TransferSpec(25e9, 10e-6)
     return fit_steps(steps, kv_bytes_per_token=block // opts.block_size, block_bytes=block, transfer=transfer,
                      model=Path(opts.model).name or opts.model, device=device_name(device),
-                     tensor_parallel=opts.tensor_parallel_size)
+                     tensor_parallel=opts.tensor_parallel_size, match_total=opts.match_total)
 
 
 def describe(report: ProfileReport) -> str:

@@ -13,7 +13,8 @@ separately, as here). So the fit has three parts, each on what the trace measure
 
 Each is a non-negative fit minimising relative absolute error (iteratively reweighted least
 squares): the error measure the evaluation reports, and robust to the timing spikes a shared
-machine adds. A step after which nothing was left to run is left out of the loop fit and the
+machine adds. Those spikes still cost throughput, so by default forward and loop terms are then
+scaled together until the fitted steps add up to the traced wall time. A step after which nothing was left to run is left out of the loop fit and the
 evaluation: its wall time includes waiting for the next request.
 """
 from __future__ import annotations
@@ -97,9 +98,14 @@ def _relative_fit(a: np.ndarray, y: np.ndarray, wall: np.ndarray) -> np.ndarray:
 
 def fit_steps(steps: Sequence[TracedStep], *, kv_bytes_per_token: int, block_bytes: int,
               transfer: TransferSpec, model: str = "unknown", device: str = "unknown",
-              tensor_parallel: int = 1) -> ProfileCostModel:
+              tensor_parallel: int = 1, match_total: bool = True) -> ProfileCostModel:
     """A profile fitted on traced steps (module doc). `transfer` is used when the steps hold too
-    few synchronous copies to fit the link on; `block_bytes` is one KV block as copied."""
+    few synchronous copies to fit the link on; `block_bytes` is one KV block as copied.
+
+    The fits predict the typical step. With `match_total`, forward and loop terms are then scaled
+    together so that the timed steps add up to their measured wall time: the stalls a busy machine
+    adds (a preempted process, a garbage collection) are rare but long, and the engine's throughput,
+    which queueing magnifies, pays for them all."""
     fwd = [s for s in steps if not s.shape.is_empty() and s.forward_seconds > 0]
     if len(fwd) < len(PROFILE_FEATURES):
         raise ValueError(f"traces hold {len(fwd)} steps with a batch; the fit needs at least {len(PROFILE_FEATURES)}")
@@ -116,38 +122,53 @@ def fit_steps(steps: Sequence[TracedStep], *, kv_bytes_per_token: int, block_byt
 
     timed = [s for s in steps if s.wall_seconds is not None]
     loop = np.zeros(len(LOOP_FEATURES))
+    wall = np.array([s.wall_seconds for s in timed], dtype=float)
     if len(timed) >= len(LOOP_FEATURES):
-        wall = np.array([s.wall_seconds for s in timed], dtype=float)
         overhead = wall - np.array([s.step_seconds for s in timed])
         loop = _relative_fit(np.array([loop_features(s.loop) for s in timed]), overhead, wall)
-    return ProfileCostModel(coefficients=dict(zip(PROFILE_FEATURES, map(float, coef), strict=True)),
-                            transfer=transfer, kv_bytes_per_token=kv_bytes_per_token, model=model, device=device,
-                            samples=len(fwd), tensor_parallel=tensor_parallel,  # r^2 means little under spikes
-                            loop=dict(zip(LOOP_FEATURES, map(float, loop), strict=True)))
+
+    def profile(scale: float) -> ProfileCostModel:
+        return ProfileCostModel(coefficients=dict(zip(PROFILE_FEATURES, (float(c) * scale for c in coef), strict=True)),
+                                transfer=transfer, kv_bytes_per_token=kv_bytes_per_token, model=model, device=device,
+                                samples=len(fwd), tensor_parallel=tensor_parallel,  # r^2 means little under stalls
+                                loop=dict(zip(LOOP_FEATURES, (float(c) * scale for c in loop), strict=True)))
+
+    cost = profile(1.0)
+    if match_total and len(timed):
+        copies_s = sum(_copy_seconds(cost, s, block_bytes) for s in timed)  # the link is not scaled
+        predicted = sum(predicted_wall_seconds(cost, s, block_bytes) for s in timed) - copies_s
+        if predicted > 0:
+            cost = profile((float(wall.sum()) - copies_s) / predicted)
+    return cost
+
+
+def _copy_seconds(cost: CostModel, step: TracedStep, block_bytes: int) -> float:
+    return cost.transfer_seconds(step.copy_blocks * block_bytes, step.copy_runs) if step.copy_blocks else 0.0
 
 
 def predicted_wall_seconds(cost: CostModel, step: TracedStep, block_bytes: int) -> float:
     """What the simulator's clock advances by for this step: forward, synchronous copies, loop."""
-    copies = cost.transfer_seconds(step.copy_blocks * block_bytes, step.copy_runs) if step.copy_blocks else 0.0
-    return cost.iteration_seconds(step.shape) + copies + cost.loop_seconds(step.loop)
+    return cost.iteration_seconds(step.shape) + _copy_seconds(cost, step, block_bytes) + cost.loop_seconds(step.loop)
 
 
 @dataclass(frozen=True)
 class ErrorStats:
     """|predicted - actual| / actual over a set of steps; `bias` is the median signed error
-    (negative: the model is optimistic)."""
+    (negative: the model is optimistic), `total` the error of the steps' summed time."""
 
     steps: int
     median: float
     p90: float
     p99: float
     bias: float
+    total: float  # sum predicted / sum actual - 1: the error in throughput over these steps
 
     @classmethod
     def of(cls, predicted: np.ndarray, actual: np.ndarray) -> ErrorStats:
         rel = (predicted - actual) / actual
         med, p90, p99 = np.percentile(np.abs(rel), [50, 90, 99])
-        return cls(len(rel), float(med), float(p90), float(p99), float(np.median(rel)))
+        return cls(len(rel), float(med), float(p90), float(p99), float(np.median(rel)),
+                   float(predicted.sum() / actual.sum() - 1))
 
 
 def evaluate_steps(cost: CostModel, steps: Sequence[TracedStep], block_bytes: int) -> dict[str, ErrorStats]:
@@ -178,8 +199,8 @@ def evaluate_trace(cost: CostModel, path: str | Path, block_size: int = CacheCon
 
 
 def describe_errors(errors: dict[str, ErrorStats]) -> str:
-    lines = [f"{'steps':<8} {'n':>7} {'median':>8} {'p90':>8} {'p99':>8} {'bias':>8}"]
-    lines += [f"{name:<8} {e.steps:>7} {e.median:>8.1%} {e.p90:>8.1%} {e.p99:>8.1%} {e.bias:>+8.1%}"
+    lines = [f"{'steps':<8} {'n':>7} {'median':>8} {'p90':>8} {'p99':>8} {'bias':>8} {'total':>8}"]
+    lines += [f"{name:<8} {e.steps:>7} {e.median:>8.1%} {e.p90:>8.1%} {e.p99:>8.1%} {e.bias:>+8.1%} {e.total:>+8.1%}"
               for name, e in errors.items()]
     return "\n".join(lines)
 
