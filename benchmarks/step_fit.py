@@ -3,12 +3,13 @@
 For ../shared/models/stories260k and the 56M-parameter Llama of engine_vs_hf.py (both fp32 on this
 CPU, one PyTorch thread), the real engine replays two Alpaca-shaped Poisson workloads with
 `--step-trace`: one to fit on (fcfs, seed 0) and one held out (skip-join-mlfq, seed 1, another
-policy so the batches differ). `tokenslice profile --from-trace` fits on the first; the script
-prints the per-step |predicted - actual| / actual of the step's wall time on the second, overall
-and by step kind, and the same for the synthetic-grid profile (`tokenslice profile`, measured in
-the same run) for comparison.
+policy so the batches differ). `tokenslice profile --from-trace` fits on the first (matching the
+traced total time, the default, and the typical step, --no-match-total); the script prints the
+per-step |predicted - actual| / actual of the step's wall time on the second, overall and by step
+kind, and the same for the synthetic-grid profile (`tokenslice profile`, measured in the same run)
+for comparison.
 
-    .venv/bin/python benchmarks/step_fit.py [--out benchmarks/results/step_fit.json]
+    PYTHONPATH=. .venv/bin/python benchmarks/step_fit.py [--out benchmarks/results/step_fit.json]
 """
 from __future__ import annotations
 
@@ -70,21 +71,30 @@ def record(model: Path, setup: Setup, policy: str, seed: int, path: Path) -> flo
 
 def run_model(model: Path, setup: Setup, work: Path, grid: bool) -> dict:
     fit_trace, held_trace = work / f"{setup.name}.fit.jsonl", work / f"{setup.name}.held.jsonl"
+    for path in (fit_trace, held_trace):
+        path.unlink(missing_ok=True)  # a trace file is appended to
     fit_s = record(model, setup, "fcfs", 0, fit_trace)
     held_s = record(model, setup, "skip-join-mlfq", 1, held_trace)
     opts = ProfileOptions(model=str(model), dtype="float32", max_batch_size=BATCH, repeats=3)
-    cost = profile_from_traces(opts, [fit_trace])
-    out = {"model": setup.name, "fit_run_s": fit_s, "held_run_s": held_s, "profile": cost.to_dict(),
-           "trace_fit": {k: dataclasses.asdict(v) for k, v in evaluate_trace(cost, held_trace).items()}}
-    print(f"\n== {setup.name}: fitted on {cost.samples} steps ({fit_s:.0f} s run), held out {held_s:.0f} s run; "
-          "loop per step: " + ", ".join(f"{k} {v * 1e6:.3g} us" for k, v in cost.loop.items()))
-    print("profile --from-trace, on the held-out trace:")
-    print(describe_errors(evaluate_trace(cost, held_trace)))
+    out = {"model": setup.name, "fit_run_s": fit_s, "held_run_s": held_s}
+    for match_total in (True, False):
+        cost = profile_from_traces(dataclasses.replace(opts, match_total=match_total), [fit_trace])
+        errors = evaluate_trace(cost, held_trace)
+        key = "trace_fit" if match_total else "trace_fit_typical"
+        out[key] = {"profile": cost.to_dict(), "errors": {k: dataclasses.asdict(v) for k, v in errors.items()}}
+        own = evaluate_trace(cost, fit_trace)["all"]
+        out[key]["errors_on_fit_trace"] = dataclasses.asdict(own)
+        if match_total:
+            print(f"\n== {setup.name}: fitted on {cost.samples} steps ({fit_s:.0f} s run), held out "
+                  f"{held_s:.0f} s run; loop per step: " + ", ".join(f"{k} {v * 1e6:.3g} us" for k, v in cost.loop.items()))
+        print(f"(on its own trace: median {own.median:.1%}, p90 {own.p90:.1%}, total {own.total:+.1%})")
+        print(f"profile --from-trace{'' if match_total else ' --no-match-total'}, on the held-out trace:")
+        print(describe_errors(errors))
     if grid:
         t = time.perf_counter()
         report = run_profile(dataclasses.replace(opts, **setup.grid))
         errors = evaluate_trace(report.cost, held_trace)
-        out["grid"] = {k: dataclasses.asdict(v) for k, v in errors.items()}
+        out["grid"] = {"profile": report.cost.to_dict(), "errors": {k: dataclasses.asdict(v) for k, v in errors.items()}}
         print(f"synthetic-grid profile ({time.perf_counter() - t:.0f} s to measure), on the same trace:")
         print(describe_errors(errors))
     return out
@@ -104,15 +114,17 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every workload's request count")
     ap.add_argument("--no-grid", action="store_true", help="skip the synthetic-grid profile comparison")
     ap.add_argument("--out", default=None, help="write the numbers as JSON")
+    ap.add_argument("--traces", default=None, help="keep the step traces in this directory")
     args = ap.parse_args()
     torch.set_num_threads(1)  # as the scheduling benchmarks: immune to a busy neighbour's barriers
     t0 = time.perf_counter()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+        work = Path(args.traces or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         for name in args.models.split(","):
             setup = dataclasses.replace(SETUPS[name], requests=max(8, round(SETUPS[name].requests * args.scale)))
-            model = STORIES if name == "stories260k" else work / "llama-56m"
+            model = STORIES if name == "stories260k" else Path(tmp) / "llama-56m"
             if name == "llama-56m":
                 build_checkpoint(model)
             results.append(run_model(model, setup, work, not args.no_grid))
