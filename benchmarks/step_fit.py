@@ -51,7 +51,9 @@ def workload(setup: Setup, seed: int) -> list:
     reqs = make_workload("alpaca", num_requests=setup.requests, rate=setup.rate, cv=1.0, seed=seed,
                          dataset=SHARED / "data" / "alpaca_4500.json", tokenizer=SHARED / "tokenizers" / "gpt2",
                          length_filter=True, max_prompt_len=256, max_tokens_cap=setup.max_output, cache=CACHE)
-    return [dataclasses.replace(r, prompt=None, prompt_token_ids=[1] + [100 + (i % 300) for i in range(r.prompt_len - 1)])
+    # Prompts as token ids of the stated length (outputs run to their length with ignore_eos).
+    return [dataclasses.replace(r, prompt=None,
+                                prompt_token_ids=[1] + [100 + (i % 300) for i in range(r.prompt_len - 1)])
             for r in reqs]
 
 
@@ -85,8 +87,9 @@ def run_model(model: Path, setup: Setup, work: Path, grid: bool) -> dict:
         own = evaluate_trace(cost, fit_trace)["all"]
         out[key]["errors_on_fit_trace"] = dataclasses.asdict(own)
         if match_total:
+            loop = ", ".join(f"{k} {v * 1e6:.3g} us" for k, v in cost.loop.items())
             print(f"\n== {setup.name}: fitted on {cost.samples} steps ({fit_s:.0f} s run), held out "
-                  f"{held_s:.0f} s run; loop per step: " + ", ".join(f"{k} {v * 1e6:.3g} us" for k, v in cost.loop.items()))
+                  f"{held_s:.0f} s run; loop per step: {loop}")
         print(f"(on its own trace: median {own.median:.1%}, p90 {own.p90:.1%}, total {own.total:+.1%})")
         print(f"profile --from-trace{'' if match_total else ' --no-match-total'}, on the held-out trace:")
         print(describe_errors(errors))
@@ -94,7 +97,8 @@ def run_model(model: Path, setup: Setup, work: Path, grid: bool) -> dict:
         t = time.perf_counter()
         report = run_profile(dataclasses.replace(opts, **setup.grid))
         errors = evaluate_trace(report.cost, held_trace)
-        out["grid"] = {"profile": report.cost.to_dict(), "errors": {k: dataclasses.asdict(v) for k, v in errors.items()}}
+        out["grid"] = {"profile": report.cost.to_dict(),
+                       "errors": {k: dataclasses.asdict(v) for k, v in errors.items()}}
         print(f"synthetic-grid profile ({time.perf_counter() - t:.0f} s to measure), on the same trace:")
         print(describe_errors(errors))
     return out

@@ -51,7 +51,8 @@ def synthetic_trace(n: int, seed: int) -> list[StepRecord]:
         copy_s = LINK.seconds(swap * BLOCK_BYTES, runs) if swap else 0.0
         noise = 1.0 + 0.005 * rng.standard_normal(2)
         stall = 4.0 if i % 40 == 39 else 1.0
-        step_s = truth.iteration_seconds(BatchShape.from_lengths([tuple(p) for p in prefill], decode)) * noise[0] * stall
+        shape = BatchShape.from_lengths([tuple(p) for p in prefill], decode)
+        step_s = truth.iteration_seconds(shape) * noise[0] * stall
         loop_s = truth.loop_seconds(LoopShape(live, sampled, arrivals)) * noise[1]
         records.append(StepRecord(i + 1, start, prefill=prefill, decode=decode, sampled=sampled, running=batch,
                                   waiting=live - batch, swap_out_blocks=swap, swap_out_runs=runs, finished=finished,

@@ -375,7 +375,10 @@ class Engine:
                 self.timings.schedule_s += t1 - t0
                 self.timings.update_s += time.perf_counter() - t1
                 return ran, finished
-        counts = self._counts() if self.step_trace is not None else (0, 0, 0)
+        counts = (0, 0, 0)
+        if self.step_trace is not None:  # requests as the scheduler left them, where the simulator sees them
+            sched = self.scheduler
+            counts = (sched.num_running, sched.num_waiting, sched.num_preempted)
         result = self.executor.execute(plan)
         t2 = time.perf_counter()
         self.clock.advance(result.step_seconds + self._loop_seconds(len(result.sampled)))
@@ -400,9 +403,14 @@ class Engine:
         self.timings.execute_s += t2 - t1
         self.timings.update_s += t3 - t2
         if self.step_trace is not None:
-            self.step_trace.write(step_record(self.num_steps, self.step_trace.wall_start(t0), plan, result,
-                                              counts, (t1 - t0, t2 - t1, t3 - t2), len(finished)))
+            self._trace_step(t0, (t1 - t0, t2 - t1, t3 - t2), plan, result, counts, len(finished))
         return produced, finished
+
+    def _trace_step(self, t0: float, times: tuple[float, float, float], plan: StepPlan, result: StepResult,
+                    counts: tuple[int, int, int], finished: int) -> None:
+        assert self.step_trace is not None
+        self.step_trace.write(step_record(self.num_steps, self.step_trace.wall_start(t0), plan, result,
+                                          counts, times, finished))
 
     def _loop_seconds(self, sampled: int) -> float:
         """Simulator: the loop's own time this step (0.0 without loop terms); takes the arrivals
@@ -411,11 +419,6 @@ class Engine:
         if self.loop_cost is None:
             return 0.0
         return self.loop_cost.loop_seconds(LoopShape(len(self.scheduler.requests), sampled, arrivals))
-
-    def _counts(self) -> tuple[int, int, int]:
-        """(running, waiting, preempted) requests, as the step trace records them."""
-        sched = self.scheduler
-        return sched.num_running, sched.num_waiting, sched.num_preempted
 
     def _repeat(self, plan: StepPlan, horizon: float, max_steps: int | None = None) -> list[Request] | None:
         """Run a just-scheduled decode-only plan for as many steps as it provably stays the

@@ -14,8 +14,9 @@ separately, as here). So the fit has three parts, each on what the trace measure
 Each is a non-negative fit minimising relative absolute error (iteratively reweighted least
 squares): the error measure the evaluation reports, and robust to the timing spikes a shared
 machine adds. Those spikes still cost throughput, so by default forward and loop terms are then
-scaled together until the fitted steps add up to the traced wall time. A step after which nothing was left to run is left out of the loop fit and the
-evaluation: its wall time includes waiting for the next request.
+scaled together until the fitted steps add up to the traced wall time. A step after which
+nothing was left to run is left out of the loop fit and the evaluation: its wall time includes
+waiting for the next request.
 """
 from __future__ import annotations
 
