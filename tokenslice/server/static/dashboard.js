@@ -196,6 +196,10 @@ function draw(snap, history) {
   }
   drawLatency(snap.latency);
   $("view").hidden = false;
+  // Which snapshot is on screen (a live server numbers them) and how many were drawn: lets a
+  // test, or a curious user, tell a fresh view from a stale one.
+  if (snap.seq != null) document.body.dataset.seq = String(snap.seq);
+  document.body.dataset.drawn = String(Number(document.body.dataset.drawn || 0) + 1);
 }
 
 // ---- live mode ----------------------------------------------------------------------------------

@@ -1,0 +1,129 @@
+"""The live view in a real browser (headless Chromium, tests/browserkit.py) against a real
+`tokenslice serve` of stories260k under load: the page's counts are /metrics' within one
+refresh, a preempted request shows as a preempted chip, and under --api-key the page asks for
+the key and shows nothing until it has it. The loaded page's screenshot goes to docs/dashboard.png
+(the README shows it)."""
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+from playwright.sync_api import Page
+
+from browserkit import chromium
+from serverkit import RunningServer, start_server, until, wait_idle
+
+ROOT = Path(__file__).resolve().parents[1]
+STORIES = ROOT.parent / "shared" / "models" / "stories260k"
+SCREENSHOT = ROOT / "docs" / "dashboard.png"
+DEADLINE_S = 120.0  # failure deadlines, not performance checks
+# The page's count elements and the /metrics gauges they show.
+COUNTS = {"running": "tokenslice:num_requests_running", "waiting": "tokenslice:num_requests_waiting",
+          "preempted": "tokenslice:num_requests_preempted", "swapped": "tokenslice:num_requests_swapped"}
+MAX_TOKENS = 480  # stories260k holds 512 positions
+PREEMPTED_CHIP = "#lanes .chip.state-preempted, #lanes .chip.state-on-host"
+
+
+def _metric_counts(srv: RunningServer) -> dict[str, int]:
+    m = srv.metrics()
+    return {name: int(m[gauge]) for name, gauge in COUNTS.items()}
+
+
+def _dom_counts(page: Page) -> dict[str, int]:
+    return {name: int(page.text_content(f"#count-{name}") or "-1") for name in COUNTS}
+
+
+def _drawn(page: Page) -> int:
+    return int(page.evaluate("Number(document.body.dataset.drawn || 0)"))
+
+
+def _wait_fresh(srv: RunningServer, page: Page) -> None:
+    """Until the page shows a snapshot the engine took after this call. /v1/state answers the
+    latest snapshot (or the one being taken), so any later one was asked for after now."""
+    seq = httpx.get(srv.url("/v1/state"), timeout=DEADLINE_S).json()["seq"]
+    page.wait_for_function(f"Number(document.body.dataset.seq || 0) > {seq}")
+
+
+def _load(srv: RunningServer, pool: ThreadPoolExecutor) -> list[Future]:
+    """Ten long requests of low priority, then three of high priority that preempt the running
+    one (one batch slot). After that nothing arrives: each count only moves one way until the
+    preempted request resumes, so /metrics never goes and comes back within a pair."""
+    client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=DEADLINE_S)
+    model = str(STORIES)
+
+    def one(prompt: str, priority: int) -> int:
+        r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS,
+                                      extra_body={"ignore_eos": True, "priority": priority})
+        return r.usage.completion_tokens
+
+    low = [pool.submit(one, f"Once upon a time {i}", 2) for i in range(10)]
+    until(lambda: srv.metrics()["tokenslice:num_requests_running"] == 1)
+    return low + [pool.submit(one, f"The dog ran {i}", -1) for i in range(3)]
+
+
+def test_page_counts_match_metrics_and_show_a_preemption() -> None:
+    # One batch slot under `priority`: an urgent arrival preempts the running request, and a
+    # pool of 40 blocks (less than two requests' KV) sends the preempted one's KV to host.
+    flags = ["--model", str(STORIES), "--policy", "priority", "--preemption", "reactive-swap",
+             "--max-batch-size", "1", "--kv-cache-blocks", "40", "--host-kv-blocks", "256",
+             "--no-enable-prefix-caching"]
+    errors: list[str] = []
+    with start_server(*flags) as srv, chromium() as browser, ThreadPoolExecutor(16) as pool:
+        page = browser.new_page()
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(srv.url("/dashboard"))
+        page.wait_for_selector("#view", state="visible")
+        futures = _load(srv, pool)
+        try:
+            # Consecutive pairs: /metrics, then a snapshot the engine took after it on screen,
+            # then /metrics again. When /metrics did not move across the pair, the page must
+            # show exactly its counts.
+            agreed, preempted_id = 0, None
+            deadline = time.monotonic() + DEADLINE_S
+            while (agreed < 3 or preempted_id is None) and time.monotonic() < deadline:
+                before = _metric_counts(srv)
+                _wait_fresh(srv, page)
+                shown = _dom_counts(page)
+                chip = page.query_selector(PREEMPTED_CHIP)
+                after = _metric_counts(srv)
+                if before == after:
+                    assert shown == before, (shown, before)
+                    agreed += before["running"] > 0 and before["waiting"] + before["preempted"] + before["swapped"] > 0
+                if chip is not None and preempted_id is None:
+                    preempted_id = chip.get_attribute("data-id")
+                    title = chip.get_attribute("title") or ""
+                    assert int(re.search(r"(\d+) preemptions", title).group(1)) >= 1, title
+                    SCREENSHOT.parent.mkdir(exist_ok=True)
+                    page.screenshot(path=str(SCREENSHOT))
+            assert agreed >= 3 and preempted_id is not None, (agreed, preempted_id)
+        finally:
+            tokens = [f.result(timeout=DEADLINE_S) for f in futures]
+        assert tokens == [MAX_TOKENS] * len(futures)
+        idle = wait_idle(srv)
+        assert idle["tokenslice:num_preemptions_total"] >= 1
+        _wait_fresh(srv, page)
+        assert _dom_counts(page) == _metric_counts(srv) == dict.fromkeys(COUNTS, 0)
+        page.close()
+    assert errors == []
+
+
+def test_page_under_a_key_asks_for_it_and_shows_no_data_without_it() -> None:
+    key = "browser-key-5150"
+    with start_server("--api-key", key, "--kv-cache-blocks", "64") as srv, chromium() as browser:
+        page = browser.new_page()
+        page.goto(srv.url("/dashboard"))
+        page.wait_for_selector("#key-prompt", state="visible")
+        assert page.is_hidden("#view")
+        assert _drawn(page) == 0  # no snapshot reached the page
+        assert page.query_selector_all("#lanes *") == []
+        assert "API key" in (page.text_content("#status") or "")
+        page.fill("#key-input", key)
+        page.click("#key-submit")
+        page.wait_for_selector("#view", state="visible")
+        page.wait_for_function("Number(document.body.dataset.drawn || 0) > 0")
+        assert page.is_hidden("#key-prompt") and page.text_content("#status").startswith("live")
+        page.close()
