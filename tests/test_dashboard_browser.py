@@ -5,6 +5,7 @@ the key and shows nothing until it has it. The loaded page's screenshot goes to 
 (the README shows it)."""
 from __future__ import annotations
 
+import json
 import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,7 +16,9 @@ import openai
 from playwright.sync_api import Page
 
 from browserkit import chromium
-from serverkit import RunningServer, start_server, until, wait_idle
+from serverkit import RunningServer, serve_app, start_server, until, wait_idle
+from tokenslice.cli import main
+from tokenslice.server.replay import create_replay_app
 
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT.parent / "shared" / "models" / "stories260k"
@@ -82,14 +85,16 @@ def test_page_counts_match_metrics_and_show_a_preemption() -> None:
             # Consecutive pairs: /metrics, then a snapshot the engine took after it on screen,
             # then /metrics again. When /metrics did not move across the pair, the page must
             # show exactly its counts.
-            agreed, preempted_id = 0, None
+            agreed, pairs, preempted_id = 0, [], None
             deadline = time.monotonic() + DEADLINE_S
-            while (agreed < 3 or preempted_id is None) and time.monotonic() < deadline:
+            while (agreed < 3 or preempted_id is None) and time.monotonic() < deadline \
+                    and not all(f.done() for f in futures):
                 before = _metric_counts(srv)
                 _wait_fresh(srv, page)
                 shown = _dom_counts(page)
                 chip = page.query_selector(PREEMPTED_CHIP)
                 after = _metric_counts(srv)
+                pairs.append((before, shown, after))
                 if before == after:
                     assert shown == before, (shown, before)
                     agreed += before["running"] > 0 and before["waiting"] + before["preempted"] + before["swapped"] > 0
@@ -99,7 +104,7 @@ def test_page_counts_match_metrics_and_show_a_preemption() -> None:
                     assert int(re.search(r"(\d+) preemptions", title).group(1)) >= 1, title
                     SCREENSHOT.parent.mkdir(exist_ok=True)
                     page.screenshot(path=str(SCREENSHOT))
-            assert agreed >= 3 and preempted_id is not None, (agreed, preempted_id)
+            assert agreed >= 3 and preempted_id is not None, (agreed, preempted_id, pairs)
         finally:
             tokens = [f.result(timeout=DEADLINE_S) for f in futures]
         assert tokens == [MAX_TOKENS] * len(futures)
@@ -127,3 +132,73 @@ def test_page_under_a_key_asks_for_it_and_shows_no_data_without_it() -> None:
         page.wait_for_function("Number(document.body.dataset.drawn || 0) > 0")
         assert page.is_hidden("#key-prompt") and page.text_content("#status").startswith("live")
         page.close()
+
+
+# ---- replay: `tokenslice view` of a `simulate --record-state` recording ------------------------
+def _record(path: Path, *flags: str) -> list[dict]:
+    assert main(["simulate", "--profile", "opt-13b@a100-40gb", "--workload", "synthetic-fixed",
+                 "--policy", "skip-join-mlfq", "--record-state", str(path), "--quiet", *flags]) == 0
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _show(page: Page, index: int, total: int) -> None:
+    """Move the time slider to snapshot `index` and wait until the page shows it."""
+    page.eval_on_selector("#replay-slider", "(el, i) => { el.value = String(i); el.dispatchEvent(new Event('input')); }",
+                          index)
+    page.wait_for_function(f"document.getElementById('replay-time').textContent.startsWith('{index + 1} / {total} ')")
+
+
+def _mlfq_lane(snap: dict, rid: str) -> str:
+    (level,) = [q["level"] for q in snap["queues"]["queues"] if rid in {r["id"] for r in q["requests"]}]
+    return f"q{level}"
+
+
+def test_chips_are_kept_across_snapshots_and_move_between_lanes(tmp_path: Path) -> None:
+    """One element per request id for the whole replay: a request demoted to the next MLFQ level
+    is the same node, now in the other lane and coloured by its new state."""
+    snaps = _record(tmp_path / "state.jsonl", "--rates", "8", "--num-requests", "30", "--kv-cache-blocks", "60")
+    moves = [(i, r["id"]) for i, (a, b) in enumerate(zip(snaps, snaps[1:]))
+             for r in b["requests"] if r["id"] in {x["id"] for x in a["requests"]}
+             and _mlfq_lane(a, r["id"]) != _mlfq_lane(b, r["id"])]
+    assert moves, "the recording has no demotion"
+    i, rid = moves[0]
+    errors: list[str] = []
+    with serve_app(create_replay_app(tmp_path / "state.jsonl")) as srv, chromium() as browser:
+        page = browser.new_page()
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(srv.url("/dashboard"))
+        _show(page, i, len(snaps))
+        chip = f'#lanes .chip[data-id="{rid}"]'
+        page.eval_on_selector(chip, "el => { window.watched = el; }")
+        assert page.eval_on_selector(chip, "el => el.closest('.lane').dataset.lane") == _mlfq_lane(snaps[i], rid)
+        _show(page, i + 1, len(snaps))
+        after = page.eval_on_selector(chip, "el => [el === window.watched, el.closest('.lane').dataset.lane, el.className]")
+        (state,) = [r["state"] for r in snaps[i + 1]["requests"] if r["id"] == rid]
+        assert after == [True, _mlfq_lane(snaps[i + 1], rid), "chip state-" + state.replace(" ", "-")]
+        page.close()
+    assert errors == []
+
+
+def test_a_thousand_live_requests_show_as_counts(tmp_path: Path) -> None:
+    """A burst of 1,000 requests: lanes of more than 200 show counts by state that add up, and
+    the page draws such a snapshot without error."""
+    snaps = _record(tmp_path / "state.jsonl", "--rates", "2000", "--num-requests", "1000",
+                    "--record-state-interval-s", "20")
+    i = max(range(len(snaps)), key=lambda k: len(snaps[k]["requests"]))
+    assert len(snaps[i]["requests"]) == 1000
+    crowded = {f"q{q['level']}": len(q["requests"]) for q in snaps[i]["queues"]["queues"] if len(q["requests"]) > 200}
+    assert crowded
+    errors: list[str] = []
+    with serve_app(create_replay_app(tmp_path / "state.jsonl")) as srv, chromium() as browser:
+        page = browser.new_page()
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(srv.url("/dashboard"))
+        _show(page, i, len(snaps))
+        for lane, n in crowded.items():
+            counts = page.eval_on_selector_all(f'#lanes .lane[data-lane="{lane}"] .crowd .chip',
+                                               "els => els.map((el) => Number(el.dataset.count))")
+            assert sum(counts) == n
+            assert page.query_selector_all(f'#lanes .lane[data-lane="{lane}"] .chip[data-id]') == []
+        assert "1000 live" in page.text_content("#scheduler")
+        page.close()
+    assert errors == []
