@@ -10,6 +10,7 @@ import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import openai
@@ -182,16 +183,19 @@ def test_chips_are_kept_across_snapshots_and_move_between_lanes(tmp_path: Path) 
 def test_a_thousand_live_requests_show_as_counts(tmp_path: Path) -> None:
     """A burst of 1,000 requests: lanes of more than 200 show counts by state that add up, and
     the page draws such a snapshot without error."""
-    snaps = _record(tmp_path / "state.jsonl", "--rates", "2000", "--num-requests", "1000",
-                    "--record-state-interval-s", "20")
+    path = tmp_path / "state.jsonl"
+    snaps = _record(path, "--rates", "2000", "--num-requests", "1000", "--record-state-interval-s", "3")
+    assert path.stat().st_size > 16 << 20  # several of the page's 4 MB pages
     i = max(range(len(snaps)), key=lambda k: len(snaps[k]["requests"]))
     assert len(snaps[i]["requests"]) == 1000
     crowded = {f"q{q['level']}": len(q["requests"]) for q in snaps[i]["queues"]["queues"] if len(q["requests"]) > 200}
     assert crowded
     errors: list[str] = []
-    with serve_app(create_replay_app(tmp_path / "state.jsonl")) as srv, chromium() as browser:
+    fetched: list[str] = []
+    with serve_app(create_replay_app(path)) as srv, chromium() as browser:
         page = browser.new_page()
         page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("request", lambda r: fetched.append(r.url))
         page.goto(srv.url("/dashboard"))
         _show(page, i, len(snaps))
         for lane, n in crowded.items():
@@ -200,5 +204,11 @@ def test_a_thousand_live_requests_show_as_counts(tmp_path: Path) -> None:
             assert sum(counts) == n
             assert page.query_selector_all(f'#lanes .lane[data-lane="{lane}"] .chip[data-id]') == []
         assert "1000 live" in page.text_content("#scheduler")
+        _show(page, len(snaps) - 1, len(snaps))
+        # Only the index and pages of snapshots: the first, the slider's, and the one after each.
+        pages = [parse_qs(urlsplit(u).query) for u in fetched if urlsplit(u).path == "/v1/replay"]
+        assert [u for u in fetched if "/v1/replay" in u and "/v1/replay?" not in u] == [srv.url("/v1/replay/index")]
+        assert all(set(q) == {"run", "start", "stop"} for q in pages) and 2 <= len(pages) <= 5
+        assert sum(min(int(q["stop"][0]), len(snaps)) - int(q["start"][0]) for q in pages) < len(snaps)
         page.close()
     assert errors == []

@@ -232,6 +232,7 @@ function drawLatency(latency) {
 }
 
 // ---- one snapshot ----------------------------------------------------------------------------
+// `history` (a recording): [seconds before snap, host blocks used, transfers in flight] per snapshot.
 function draw(snap, history) {
   const c = snap.counts || {};
   for (const r of snap.requests) if (!snap.counts) c[r.state] = (c[r.state] || 0) + 1;
@@ -255,7 +256,7 @@ function draw(snap, history) {
       `in ${bytes(snap.swap.in_bytes)}, ${snap.swap.ops} copy ops`;
   } else if (history) {
     $("sparkline-title").textContent = "host KV blocks used (blue) and transfers in flight (green)";
-    sparkline($("swap-sparkline"), history.map((s) => [s.t - snap.t, s.kv.host.used, s.kv.transfers_in_flight]));
+    sparkline($("swap-sparkline"), history);
     $("swap-summary").textContent = `t = ${snap.t.toFixed(2)} s (simulated)`;
   }
   drawLatency(snap.latency);
@@ -318,30 +319,72 @@ $("key-prompt").addEventListener("submit", (ev) => {
 });
 
 // ---- replay mode ------------------------------------------------------------------------------
+// A recording can be hundreds of MB: the page loads its index (runs, each snapshot's time and
+// history numbers), then only the pages of snapshots the slider reaches, a few kept at a time.
+const PAGE_BYTES = 4 << 20; // about this much JSON per page fetched
+const KEPT_PAGES = 8;
+
+function runLabel(labels) {
+  const text = Object.entries(labels).map(([k, v]) => `${k}=${typeof v === "number" ? +v.toPrecision(4) : v}`).join(" ");
+  return text || "run";
+}
+
+class Recording {
+  constructor(index) { this.runs = index.runs; this.pages = new Map(); }
+
+  pageSize(run) { return Math.max(1, Math.min(256, Math.floor((PAGE_BYTES * run.snapshots) / Math.max(1, run.bytes)))); }
+
+  page(run, p) {
+    const key = `${run.id}:${p}`;
+    let got = this.pages.get(key);
+    if (got) this.pages.delete(key); // most recently used last
+    else {
+      const size = this.pageSize(run);
+      got = fetch(`/v1/replay?run=${run.id}&start=${p * size}&stop=${(p + 1) * size}`).then((r) => {
+        if (!r.ok) throw new Error(`the recording's page ${p} of run ${run.id}: error ${r.status}`);
+        return r.text();
+      }).then((text) => text.split("\n").filter((l) => l.trim()).map((l) => JSON.parse(l)));
+      got.catch(() => this.pages.delete(key)); // asked again next time
+    }
+    this.pages.set(key, got);
+    while (this.pages.size > KEPT_PAGES) this.pages.delete(this.pages.keys().next().value);
+    return got;
+  }
+
+  async snapshot(run, i) {
+    const size = this.pageSize(run), p = Math.floor(i / size);
+    const snaps = await this.page(run, p);
+    if ((p + 1) * size < run.snapshots && i - p * size >= size / 2) this.page(run, p + 1); // playing on: fetch ahead
+    return snaps[i - p * size];
+  }
+}
+
 async function replay() {
   $("replay").hidden = false;
-  setStatus("loading the recording…");
-  const text = await (await fetch("/v1/replay")).text();
-  const runs = new Map();
-  for (const line of text.split("\n")) {
-    if (!line.trim()) continue;
-    const snap = JSON.parse(line);
-    const label = snap.run ? Object.entries(snap.run).map(([k, v]) => `${k}=${v}`).join(" ") : "run";
-    if (!runs.has(label)) runs.set(label, []);
-    runs.get(label).push(snap);
-  }
+  setStatus("loading the recording's index…");
+  const rec = new Recording(await (await fetch("/v1/replay/index")).json());
   const select = $("replay-run"), slider = $("replay-slider");
-  for (const label of runs.keys()) select.append(new Option(label, label));
-  let timer = null;
-  const show = () => {
-    const snaps = runs.get(select.value) || [];
-    const i = Math.min(Number(slider.value), snaps.length - 1);
+  for (const run of rec.runs) select.append(new Option(runLabel(run.labels), String(run.id)));
+  let timer = null, latest = 0;
+  const show = async () => {
+    const run = rec.runs[Number(select.value)];
+    const i = run ? Math.min(Number(slider.value), run.snapshots - 1) : -1;
     if (i < 0) return;
-    draw(snaps[i], snaps.slice(Math.max(0, i - 120), i + 1));
-    $("replay-time").textContent = `${i + 1} / ${snaps.length} · t = ${snaps[i].t.toFixed(2)} s`;
+    const ticket = ++latest;
+    let snap;
+    try {
+      snap = await rec.snapshot(run, i);
+    } catch (err) {
+      setStatus(String(err.message || err));
+      return;
+    }
+    if (ticket !== latest) return; // the slider moved on while this page loaded
+    const lo = Math.max(0, i - 120);
+    draw(snap, run.t.slice(lo, i + 1).map((t, k) => [t - run.t[i], run.host_used[lo + k], run.in_flight[lo + k]]));
+    $("replay-time").textContent = `${i + 1} / ${run.snapshots} · t = ${snap.t.toFixed(2)} s`;
   };
   select.addEventListener("change", () => {
-    slider.max = String((runs.get(select.value) || []).length - 1);
+    slider.max = String((rec.runs[Number(select.value)] || { snapshots: 0 }).snapshots - 1);
     slider.value = "0";
     show();
   });
@@ -356,7 +399,7 @@ async function replay() {
     }, 250);
   });
   select.dispatchEvent(new Event("change"));
-  setStatus(`replay · ${runs.size} run(s)`);
+  setStatus(`replay · ${rec.runs.length} run(s)`);
 }
 
 if (document.body.dataset.mode === "replay") replay(); else live();
