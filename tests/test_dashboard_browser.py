@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,16 +30,46 @@ DEADLINE_S = 120.0  # failure deadlines, not performance checks
 COUNTS = {"running": "tokenslice:num_requests_running", "waiting": "tokenslice:num_requests_waiting",
           "preempted": "tokenslice:num_requests_preempted", "swapped": "tokenslice:num_requests_swapped"}
 MAX_TOKENS = 480  # stories260k holds 512 positions
-PREEMPTED_CHIP = "#lanes .chip.state-preempted, #lanes .chip.state-on-host"
+ON_HOST_CHIP = "#lanes .chip.state-on-host"
+PREEMPTED_CHIP = "#lanes .chip.state-preempted, " + ON_HOST_CHIP
 
 
-def _metric_counts(srv: RunningServer) -> dict[str, int]:
-    m = srv.metrics()
+def _counts(m: dict[str, float]) -> dict[str, int]:
     return {name: int(m[gauge]) for name, gauge in COUNTS.items()}
 
 
-def _dom_counts(page: Page) -> dict[str, int]:
-    return {name: int(page.text_content(f"#count-{name}") or "-1") for name in COUNTS}
+def _dom(page: Page) -> tuple[int, dict[str, int]]:
+    """The engine step the page shows, and its counts, read at one instant."""
+    step, *values = page.evaluate("['engine-step', " + ", ".join(f"'count-{n}'" for n in COUNTS) +
+                                  "].map((id) => Number(document.getElementById(id).textContent))")
+    return int(step), dict(zip(COUNTS, map(int, values)))
+
+
+class MetricsWatch:
+    """Reads /metrics over and over on a thread: the counts it reported at each engine step.
+    The engine core sends its counts only after a step, so one step has one set of counts."""
+
+    def __init__(self, srv: RunningServer) -> None:
+        self.srv = srv
+        self.by_step: dict[int, dict[str, int]] = {}
+        self.clashes: list[tuple[int, dict[str, int], dict[str, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="metrics-watch", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            m = self.srv.metrics()
+            step, counts = int(m["tokenslice:engine_steps_total"]), _counts(m)
+            if self.by_step.setdefault(step, counts) != counts:
+                self.clashes.append((step, self.by_step[step], counts))
+
+    def __enter__(self) -> MetricsWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(DEADLINE_S)
 
 
 def _drawn(page: Page) -> int:
@@ -52,9 +83,21 @@ def _wait_fresh(srv: RunningServer, page: Page) -> None:
     page.wait_for_function(f"Number(document.body.dataset.seq || 0) > {seq}")
 
 
+def _capture(page: Page, selector: str) -> bool:
+    """Pause the page; if it shows `selector`, save the screenshot; resume."""
+    page.click("#pause")
+    try:
+        shown = page.query_selector(selector) is not None
+        if shown:
+            page.screenshot(path=str(SCREENSHOT))
+        return shown
+    finally:
+        page.click("#pause")
+
+
 def _load(srv: RunningServer, pool: ThreadPoolExecutor) -> list[Future]:
-    """Ten long requests of low priority, then three of high priority that preempt the running
-    one (one batch slot). After that nothing arrives: each count only moves one way until the
+    """Twenty long requests of low priority, then, once one has a third of its tokens, three of
+    high priority that preempt it (one batch slot) and, as they grow, push its KV to host. After that nothing arrives: each count only moves one way until the
     preempted request resumes, so /metrics never goes and comes back within a pair."""
     client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=DEADLINE_S)
     model = str(STORIES)
@@ -64,8 +107,13 @@ def _load(srv: RunningServer, pool: ThreadPoolExecutor) -> list[Future]:
                                       extra_body={"ignore_eos": True, "priority": priority})
         return r.usage.completion_tokens
 
-    low = [pool.submit(one, f"Once upon a time {i}", 2) for i in range(10)]
-    until(lambda: srv.metrics()["tokenslice:num_requests_running"] == 1)
+    low = [pool.submit(one, f"Once upon a time {i}", 2) for i in range(20)]
+
+    def holds_kv() -> bool:  # enough that the urgent one's growth must evict it (10 of 40 blocks)
+        state = httpx.get(srv.url("/v1/state"), timeout=DEADLINE_S).json()
+        return any(r["state"] == "running" and r["output_tokens"] >= MAX_TOKENS // 3 for r in state["requests"])
+
+    until(holds_kv)
     return low + [pool.submit(one, f"The dog ran {i}", -1) for i in range(3)]
 
 
@@ -83,36 +131,37 @@ def test_page_counts_match_metrics_and_show_a_preemption() -> None:
         page.wait_for_selector("#view", state="visible")
         futures = _load(srv, pool)
         try:
-            # Consecutive pairs: /metrics, then a snapshot the engine took after it on screen,
-            # then /metrics again. When /metrics did not move across the pair, the page must
-            # show exactly its counts.
-            agreed, pairs, preempted_id = 0, [], None
+            # Within one refresh: each snapshot the page draws names its engine step, and the
+            # page's counts must be what /metrics reported at that step.
+            matched, seen, preempted_id, on_host = 0, [], None, False
             deadline = time.monotonic() + DEADLINE_S
-            while (agreed < 3 or preempted_id is None) and time.monotonic() < deadline \
-                    and not all(f.done() for f in futures):
-                before = _metric_counts(srv)
-                _wait_fresh(srv, page)
-                shown = _dom_counts(page)
-                chip = page.query_selector(PREEMPTED_CHIP)
-                after = _metric_counts(srv)
-                pairs.append((before, shown, after))
-                if before == after:
-                    assert shown == before, (shown, before)
-                    agreed += before["running"] > 0 and before["waiting"] + before["preempted"] + before["swapped"] > 0
-                if chip is not None and preempted_id is None:
-                    preempted_id = chip.get_attribute("data-id")
-                    title = chip.get_attribute("title") or ""
-                    assert int(re.search(r"(\d+) preemptions", title).group(1)) >= 1, title
-                    SCREENSHOT.parent.mkdir(exist_ok=True)
-                    page.screenshot(path=str(SCREENSHOT))
-            assert agreed >= 3 and preempted_id is not None, (agreed, preempted_id, pairs)
+            with MetricsWatch(srv) as watch:
+                while (matched < 5 or preempted_id is None or not on_host) and time.monotonic() < deadline \
+                        and not all(f.done() for f in futures):
+                    page.wait_for_function(f"Number(document.body.dataset.drawn) > {_drawn(page)}")
+                    step, shown = _dom(page)
+                    seen.append((step, shown))
+                    if step in watch.by_step:
+                        assert shown == watch.by_step[step], (step, shown, watch.by_step[step])
+                        matched += shown["running"] > 0 and shown["waiting"] + shown["preempted"] + shown["swapped"] > 0
+                    chip = page.query_selector(PREEMPTED_CHIP)
+                    if chip is not None and preempted_id is None:
+                        preempted_id = chip.get_attribute("data-id")
+                        title = chip.get_attribute("title") or ""
+                        assert int(re.search(r"(\d+) preemptions", title).group(1)) >= 1, title
+                        _capture(page, PREEMPTED_CHIP)
+                    if not on_host and page.query_selector(ON_HOST_CHIP):  # a better picture: its KV on host
+                        on_host = _capture(page, ON_HOST_CHIP)
+            assert watch.clashes == []
+            assert matched >= 5 and preempted_id is not None, (matched, preempted_id, seen, sorted(watch.by_step))
         finally:
             tokens = [f.result(timeout=DEADLINE_S) for f in futures]
         assert tokens == [MAX_TOKENS] * len(futures)
         idle = wait_idle(srv)
         assert idle["tokenslice:num_preemptions_total"] >= 1
         _wait_fresh(srv, page)
-        assert _dom_counts(page) == _metric_counts(srv) == dict.fromkeys(COUNTS, 0)
+        step, shown = _dom(page)
+        assert shown == dict.fromkeys(COUNTS, 0) and step == idle["tokenslice:engine_steps_total"]
         page.close()
     assert errors == []
 

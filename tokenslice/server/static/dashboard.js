@@ -245,6 +245,9 @@ function draw(snap, history) {
   $("count-swapped").textContent = e.num_swapped;
   $("count-swapping").textContent = c.swapping || 0;
   $("count-to-recompute").textContent = c["to recompute"] || 0;
+  // Live: the engine's step number, which /metrics also reports (tokenslice:engine_steps_total).
+  $("engine-step").parentElement.hidden = !snap.engine;
+  if (snap.engine) $("engine-step").textContent = snap.engine.num_steps;
   $("scheduler").textContent = `${snap.policy} · ${snap.preemption} · ${snap.requests.length} live` +
     (snap.run ? ` · run ${JSON.stringify(snap.run)}` : "");
   drawLanes(snap);
@@ -273,6 +276,16 @@ function askForKey() {
   $("key-prompt").hidden = false;
   setStatus("API key needed");
 }
+
+// "pause" holds the picture still to look at it; the stream goes on and the latest snapshot is
+// drawn on "resume".
+const frozen = { on: false, latest: null };
+$("pause").addEventListener("click", () => {
+  frozen.on = !frozen.on;
+  $("pause").textContent = frozen.on ? "resume" : "pause";
+  if (frozen.on) setStatus("paused");
+  else if (frozen.latest) { draw(frozen.latest); setStatus("live"); frozen.latest = null; }
+});
 
 async function live() {
   const key = sessionStorage.getItem(KEY_STORE);
@@ -303,6 +316,7 @@ async function live() {
       if (!data) continue;
       if (event.startsWith("event: error")) { setStatus("engine error: " + JSON.parse(data).message); continue; }
       const snap = JSON.parse(data);
+      if (frozen.on) { frozen.latest = snap; continue; }
       draw(snap);
       setStatus(`live · ${new Date(snap.time * 1000).toLocaleTimeString()} · ${snap.viewers} viewer(s)`);
     }
@@ -361,6 +375,7 @@ class Recording {
 
 async function replay() {
   $("replay").hidden = false;
+  $("pause").hidden = true; // the slider has its own play and pause
   setStatus("loading the recording's index…");
   const rec = new Recording(await (await fetch("/v1/replay/index")).json());
   const select = $("replay-run"), slider = $("replay-slider");
