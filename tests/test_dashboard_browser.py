@@ -97,8 +97,7 @@ def _capture(page: Page, selector: str) -> bool:
 
 def _load(srv: RunningServer, pool: ThreadPoolExecutor) -> list[Future]:
     """Twenty long requests of low priority, then, once one has a third of its tokens, three of
-    high priority that preempt it (one batch slot) and, as they grow, push its KV to host. After that nothing arrives: each count only moves one way until the
-    preempted request resumes, so /metrics never goes and comes back within a pair."""
+    high priority that preempt it (one batch slot) and, as they grow, push its KV to host."""
     client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=DEADLINE_S)
     model = str(STORIES)
 
@@ -124,7 +123,7 @@ def test_page_counts_match_metrics_and_show_a_preemption() -> None:
              "--max-batch-size", "1", "--kv-cache-blocks", "40", "--host-kv-blocks", "256",
              "--no-enable-prefix-caching"]
     errors: list[str] = []
-    with start_server(*flags) as srv, chromium() as browser, ThreadPoolExecutor(16) as pool:
+    with start_server(*flags) as srv, chromium() as browser, ThreadPoolExecutor(32) as pool:
         page = browser.new_page()
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(srv.url("/dashboard"))
