@@ -400,8 +400,10 @@ class Engine:
         assert self.step_trace is not None
         sched = self.scheduler
         counts = (sched.num_running, sched.num_waiting, sched.num_preempted)
-        self.step_trace.write(step_record(self.num_steps, self.step_trace.wall_start(t0), plan, result,
-                                          counts, times))
+        # The simulator's steps start on its virtual clock (the step just advanced it).
+        start = (self.clock.now() - result.step_seconds if isinstance(self.clock, VirtualClock)
+                 else self.step_trace.wall_start(t0))
+        self.step_trace.write(step_record(self.num_steps, start, plan, result, counts, times))
 
     def _repeat(self, plan: StepPlan, horizon: float, max_steps: int | None = None) -> list[Request] | None:
         """Run a just-scheduled decode-only plan for as many steps as it provably stays the
