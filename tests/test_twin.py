@@ -37,7 +37,8 @@ def test_twin_end_to_end_on_stories260k(tmp_path: Path) -> None:
         assert label in text
 
     result = json.loads(out.read_text())
-    fcfs = result["policies"]["fcfs"]
+    assert len(result["points"]) == 1 and result["points"][0]["rate"] == 20
+    fcfs = result["points"][0]["policies"]["fcfs"]
     for key, _ in TWIN_METRICS:
         m = fcfs["metrics"][key]
         assert len(m["real_runs"]) == 2 and all(v is not None and v > 0 for v in m["real_runs"])
@@ -47,7 +48,7 @@ def test_twin_end_to_end_on_stories260k(tmp_path: Path) -> None:
     assert path["ingress_s"] > 0 and path["egress_s"] > 0  # HTTP costs something both ways
     # Both sides' steps were traced; every real run computed all 6 prompts and 6 x 6 tokens.
     real_steps = load_step_trace(traces / "fcfs.steps.jsonl")
-    sim_steps = load_step_trace(traces / "fcfs.sim-steps.jsonl")
+    sim_steps = load_step_trace(traces / "fcfs.point0.sim-steps.jsonl")
     assert sum(len(s.prefill) for s in sim_steps) == 6
     assert sum(s.sampled for s in sim_steps) == 36
     assert sum(s.sampled for s in real_steps) >= 2 * 36

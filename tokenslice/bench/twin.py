@@ -101,12 +101,12 @@ class TwinSpec:
         if self.repeats < 1 or self.num_requests < 1:
             raise ValueError("repeats and num_requests must be >= 1")
 
-    def make(self, rate: float | None, cache: DatasetCache, salt: int = 0) -> list[WorkloadRequest]:
+    def make(self, rate: float | None, cv: float, cache: DatasetCache, salt: int = 0) -> list[WorkloadRequest]:
         """The trace, prompts as token ids of exactly each request's length, so that both sides
         compute the same tokens whatever the model's tokenizer. Ids are drawn at random per `salt`:
         no two prompts share a cached prefix, nor do the prompts of two real runs (each repeat has
         its own salt, or a later run would find an earlier one's KV in the prefix cache)."""
-        reqs = make_workload(self.workload, num_requests=self.num_requests, rate=rate, cv=self.cv, seed=self.seed,
+        reqs = make_workload(self.workload, num_requests=self.num_requests, rate=rate, cv=cv, seed=self.seed,
                              dataset=self.dataset, tokenizer=self.tokenizer, length_filter=self.length_filter,
                              max_prompt_len=self.max_prompt_len, max_tokens_cap=self.max_tokens_cap,
                              input_len=self.input_len, output_len=self.output_len, cache=cache)
@@ -170,7 +170,7 @@ def compare(real_runs: Sequence[Mapping[str, Any]], sim: Mapping[str, Any]) -> d
     return out
 
 
-class _RealSide:
+class TwinServer:
     """One policy's server (started here, or the given URL) with its step trace."""
 
     def __init__(self, spec: TwinSpec, policy: str, args: list[str], trace: Path) -> None:
@@ -197,7 +197,7 @@ class _RealSide:
             self.server.stop()
 
 
-def probe_path(side: _RealSide) -> ServingPath:
+def probe_path(side: TwinServer) -> ServingPath:
     """The serving path from lone requests: each request's send and first token against the step
     that computed its prompt (the only step running while it is alone)."""
     prompt, out = PATH_PROBE_LENGTHS
@@ -209,11 +209,37 @@ def probe_path(side: _RealSide) -> ServingPath:
     return measure_path(records, load_step_trace(side.trace))
 
 
-def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetCache | None = None) -> dict[str, Any]:
-    """Replay the trace on both sides for every policy; a JSON-ready result (see module doc)."""
+@dataclass(frozen=True)
+class TwinPoint:
+    """One arrival process to replay: a load (fraction of fcfs saturation) or a rate, and a CV."""
+
+    load: float | None = None
+    rate: float | None = None
+    cv: float = 1.0
+
+    def label(self) -> str:
+        x = f"load {self.load:g}" if self.load is not None else f"rate {self.rate:g} req/s"
+        return f"{x}, CV {self.cv:g}"
+
+
+def _simulate_point(spec: TwinSpec, policy: str, cost: CostModel, trace: list[WorkloadRequest], slo: float,
+                    kv_blocks: int, path: ServingPath, out: Path) -> list[RequestRecord]:
+    out.unlink(missing_ok=True)
+    records, _ = simulate_run(cost, trace, spec.scheduler_config(policy, slo), kv_blocks, spec.block_size,
+                              4 * kv_blocks, path=path, step_trace=str(out))
+    return records
+
+
+def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetCache | None = None,
+             points: Sequence[TwinPoint] | None = None) -> dict[str, Any]:
+    """Replay the trace on both sides for every policy; a JSON-ready result (see module doc).
+    `points` replays several arrival processes on each server (default: the spec's one); a load
+    is a fraction of the fcfs saturation throughput measured on the first server (all requests at
+    once) unless the spec gives it."""
     spec.validate()
     tick = progress or (lambda _m: None)
     cache = cache or DatasetCache()
+    points = list(points or [TwinPoint(spec.load, spec.rate, spec.cv)])
     with tempfile.TemporaryDirectory(prefix="tokenslice-twin-") as tmp:
         trace_dir = Path(spec.step_trace_dir or tmp)
         trace_dir.mkdir(parents=True, exist_ok=True)
@@ -224,56 +250,56 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
             profile_in_child(spec, Path(profile))
         cost = load_cost_model(profile)
         slo = SLO_DECODE_FACTOR * cost.min_iteration_seconds()
-        kv_blocks = ample_kv_blocks(spec.make(None, cache), spec.max_batch_size, spec.block_size)
+        kv_blocks = ample_kv_blocks(spec.make(None, 1.0, cache), spec.max_batch_size, spec.block_size)
         saturation = spec.saturation_rps
-        rate: float | None = spec.rate
-        policies: dict[str, Any] = {}
+        results: list[dict[str, Any]] = [{"point": dataclasses.asdict(p), "policies": {}} for p in points]
+        paths: dict[str, dict[str, float]] = {}
         for policy in spec.policies:
             step_file = Path(spec.server_step_trace) if spec.url else trace_dir / f"{policy}.steps.jsonl"
             if spec.url is None:
                 step_file.unlink(missing_ok=True)
             has_steps = spec.url is None or spec.server_step_trace is not None
             tick(f"{policy}: starting the server")
-            side = _RealSide(spec, policy, spec.server_args(profile, kv_blocks, slo, str(step_file)), step_file)
+            side = TwinServer(spec, policy, spec.server_args(profile, kv_blocks, slo, str(step_file)), step_file)
             try:
                 warm_up(side.client, spec.warmup_requests)
                 path = probe_path(side) if spec.serving_path and has_steps else ServingPath()
-                if rate is None:
-                    if saturation is None:
-                        tick(f"{policy}: measuring saturation (all {spec.num_requests} requests at once)")
-                        burst = spec.make(None, cache, salt=spec.repeats)
-                        saturation = twin_metrics(side.run(burst).records)["throughput_rps"]
-                    rate = (spec.load or 0.0) * saturation
-                runs, windows = [], []
-                for k in range(spec.repeats):  # same lengths and arrivals, fresh prompt ids (salt)
-                    tick(f"{policy}: real run {k + 1}/{spec.repeats}")
-                    res = side.run(spec.make(rate, cache, salt=k))
-                    runs.append(twin_metrics(res.records))
-                    windows.append((res.wall_start, res.wall_start + res.duration_s))
+                paths[policy] = dataclasses.asdict(path)
+                if saturation is None and any(p.rate is None for p in points):
+                    tick(f"{policy}: measuring saturation (all {spec.num_requests} requests at once)")
+                    burst = spec.make(None, 1.0, cache, salt=spec.repeats)
+                    saturation = twin_metrics(side.run(burst).records)["throughput_rps"]
+                for i, point in enumerate(points):
+                    rate = point.rate if point.rate is not None else (point.load or 0.0) * (saturation or 0.0)
+                    runs, windows = [], []
+                    for k in range(spec.repeats):  # same lengths and arrivals, fresh prompt ids (salt)
+                        tick(f"{policy}, {point.label()}: real run {k + 1}/{spec.repeats}")
+                        res = side.run(spec.make(rate, point.cv, cache, salt=k))
+                        runs.append(twin_metrics(res.records))
+                        windows.append((res.wall_start, res.wall_start + res.duration_s))
+                    sim_file = trace_dir / f"{policy}.point{i}.sim-steps.jsonl"
+                    records = _simulate_point(spec, policy, cost, spec.make(rate, point.cv, cache), slo, kv_blocks,
+                                              path, sim_file)
+                    steps = load_step_trace(step_file) if has_steps else []
+                    results[i]["rate"] = rate
+                    results[i]["policies"][policy] = {
+                        "metrics": compare(runs, twin_metrics(records)), "serving_path": paths[policy],
+                        "windows": windows,
+                        "steps": {"real": [trace_summary(steps_between(steps, a, b)) for a, b in windows],
+                                  "sim": trace_summary(load_step_trace(sim_file))}}
             finally:
                 side.stop()
-            tick(f"{policy}: simulating")
-            sim_steps = trace_dir / f"{policy}.sim-steps.jsonl"
-            sim_steps.unlink(missing_ok=True)
-            records, _ = simulate_run(cost, spec.make(rate, cache), spec.scheduler_config(policy, slo), kv_blocks, spec.block_size,
-                                      4 * kv_blocks, path=path, step_trace=str(sim_steps))
-            steps = load_step_trace(step_file) if has_steps else []
-            real_steps = [trace_summary(steps_between(steps, a, b)) for a, b in windows]
-            policies[policy] = {
-                "metrics": compare(runs, twin_metrics(records)),
-                "serving_path": dataclasses.asdict(path),
-                "steps": {"real": real_steps, "sim": trace_summary(load_step_trace(sim_steps))}}
         return {"tool": "twin", "model": spec.model, "profile": profile if spec.profile else cost.name,
-                "spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "policies"},
-                "rate": rate, "saturation_rps": saturation, "num_requests": spec.num_requests,
-                "slo_normalized_latency": slo, "kv_cache_blocks": kv_blocks, "policies": policies}
+                "profile_file": profile, "spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "policies"},
+                "saturation_rps": saturation, "num_requests": spec.num_requests, "slo_normalized_latency": slo,
+                "kv_cache_blocks": kv_blocks, "step_trace_dir": spec.step_trace_dir, "points": results}
 
 
 def format_twin(result: Mapping[str, Any]) -> str:
-    """One table per policy: real (mean over repeats, spread) vs simulated, and the error."""
-    lines = [f"twin: {result['model']}, {result['num_requests']} requests at {result['rate']:.3g} req/s"
-             + (f" (fcfs saturation {result['saturation_rps']:.3g} req/s)" if result.get("saturation_rps") else "")
-             + f", profile {result['profile']}"]
+    """One table per point and policy: real (mean over repeats, spread) vs simulated, and the error."""
+    sat = result.get("saturation_rps")
+    lines = [f"twin: {result['model']}, {result['num_requests']} requests per run, profile {result['profile']}"
+             + (f", fcfs saturation {sat:.3g} req/s" if sat else "")]
 
     def num(v: float | None) -> str:
         return "-" if v is None else f"{v:.4g}"
@@ -281,21 +307,24 @@ def format_twin(result: Mapping[str, Any]) -> str:
     def pct(v: float | None, sign: bool = True) -> str:
         return "-" if v is None else f"{100 * v:+.1f}%" if sign else f"{100 * v:.1f}%"
 
-    for policy, data in result["policies"].items():
-        path = data["serving_path"]
-        lines.append(f"\n{policy} (serving path: in {1e3 * path['ingress_s']:.2f} ms, "
-                     f"out {1e3 * path['egress_s']:.2f} ms)")
-        lines.append(f"  {'metric':36} {'real':>10} {'spread':>8} {'simulated':>10} {'error':>8}")
-        for key, label in TWIN_METRICS:
-            m = data["metrics"][key]
-            lines.append(f"  {label:36} {num(m['real']):>10} {pct(m['real_spread'], False):>8} "
-                         f"{num(m['sim']):>10} {pct(m['error']):>8}")
-        real, sim = data["steps"]["real"], data["steps"]["sim"]
-        if real:
-            lines.append("  steps: " + ", ".join(f"{k} real {num(float(np.mean([r[k] for r in real])))} / sim "
-                                                 f"{num(sim[k])}" for k in sim))
+    for point in result["points"]:
+        label = TwinPoint(**point["point"]).label()
+        for policy, data in point["policies"].items():
+            path = data["serving_path"]
+            lines.append(f"\n{policy}, {label} ({point['rate']:.3g} req/s); serving path in "
+                         f"{1e3 * path['ingress_s']:.2f} ms, out {1e3 * path['egress_s']:.2f} ms")
+            lines.append(f"  {'metric':36} {'real':>10} {'spread':>8} {'simulated':>10} {'error':>8}")
+            for key, name in TWIN_METRICS:
+                m = data["metrics"][key]
+                lines.append(f"  {name:36} {num(m['real']):>10} {pct(m['real_spread'], False):>8} "
+                             f"{num(m['sim']):>10} {pct(m['error']):>8}")
+            real, sim = data["steps"]["real"], data["steps"]["sim"]
+            if real and all(r.get("steps") for r in real):
+                lines.append("  steps (real / simulated): " + ", ".join(
+                    f"{k} {num(float(np.mean([r[k] for r in real if r[k] is not None] or [np.nan])))} / {num(sim[k])}"
+                    for k in sim))
     return "\n".join(lines)
 
 
-__all__ = ["TWIN_METRICS", "TwinSpec", "run_twin", "format_twin", "compare", "spread", "twin_metrics",
+__all__ = ["TWIN_METRICS", "TwinSpec", "TwinPoint", "TwinServer", "run_twin", "format_twin", "compare", "spread", "twin_metrics",
            "profile_in_child", "probe_path"]
