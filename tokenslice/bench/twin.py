@@ -158,13 +158,17 @@ def twin_metrics(records: Sequence[RequestRecord]) -> dict[str, Any]:
     return m
 
 
-def compare(real_runs: Sequence[Mapping[str, Any]], sim: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per metric: real mean over repeats, each repeat, spread, simulated value, relative error."""
+def _mean(values: Sequence[float | None]) -> float | None:
+    return float(np.mean(values)) if values and all(v is not None for v in values) else None
+
+
+def compare(real_runs: Sequence[Mapping[str, Any]], sim_runs: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per metric: real mean over repeats, each repeat, spread; simulated mean (one simulation per
+    real run, replaying its send times); relative error of the means."""
     out = {}
     for key, _ in TWIN_METRICS:
         vals = [r.get(key) for r in real_runs]
-        mean = float(np.mean(vals)) if vals and all(v is not None for v in vals) else None
-        s = sim.get(key)
+        mean, s = _mean(vals), _mean([r.get(key) for r in sim_runs])
         err = (s / mean - 1.0) if (s is not None and mean) else None
         out[key] = {"real": mean, "real_runs": vals, "real_spread": spread(vals), "sim": s, "error": err}
     return out
@@ -222,11 +226,19 @@ class TwinPoint:
         return f"{x}, CV {self.cv:g}"
 
 
+def as_sent(trace: Sequence[WorkloadRequest], records: Sequence[ClientRecord]) -> list[WorkloadRequest]:
+    """The trace with each request's arrival at the time the client really sent it (a busy
+    client sends late), so that the simulator replays what the server saw."""
+    sent = {r.request_id: r.arrival for r in records}
+    return [dataclasses.replace(r, arrival_time=sent.get(r.request_id, r.arrival_time)) for r in trace]
+
+
 def _simulate_point(spec: TwinSpec, policy: str, cost: CostModel, trace: list[WorkloadRequest], slo: float,
-                    kv_blocks: int, path: ServingPath, out: Path) -> list[RequestRecord]:
-    out.unlink(missing_ok=True)
+                    kv_blocks: int, path: ServingPath, out: Path | None) -> list[RequestRecord]:
+    if out is not None:
+        out.unlink(missing_ok=True)
     records, _ = simulate_run(cost, trace, spec.scheduler_config(policy, slo), kv_blocks, spec.block_size,
-                              4 * kv_blocks, path=path, step_trace=str(out))
+                              4 * kv_blocks, path=path, step_trace=None if out is None else str(out))
     return records
 
 
@@ -271,19 +283,21 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
                     saturation = twin_metrics(side.run(burst).records)["throughput_rps"]
                 for i, point in enumerate(points):
                     rate = point.rate if point.rate is not None else (point.load or 0.0) * (saturation or 0.0)
-                    runs, windows = [], []
+                    runs, sims, windows = [], [], []
+                    sim_file = trace_dir / f"{policy}.point{i}.sim-steps.jsonl"
                     for k in range(spec.repeats):  # same lengths and arrivals, fresh prompt ids (salt)
                         tick(f"{policy}, {point.label()}: real run {k + 1}/{spec.repeats}")
-                        res = side.run(spec.make(rate, point.cv, cache, salt=k))
+                        trace = spec.make(rate, point.cv, cache, salt=k)
+                        res = side.run(trace)
                         runs.append(twin_metrics(res.records))
                         windows.append((res.wall_start, res.wall_start + res.duration_s))
-                    sim_file = trace_dir / f"{policy}.point{i}.sim-steps.jsonl"
-                    records = _simulate_point(spec, policy, cost, spec.make(rate, point.cv, cache), slo, kv_blocks,
-                                              path, sim_file)
+                        # The simulator replays each run as the client really sent it.
+                        sims.append(twin_metrics(_simulate_point(spec, policy, cost, as_sent(trace, res.records), slo,
+                                                                 kv_blocks, path, sim_file if k == 0 else None)))
                     steps = load_step_trace(step_file) if has_steps else []
                     results[i]["rate"] = rate
                     results[i]["policies"][policy] = {
-                        "metrics": compare(runs, twin_metrics(records)), "serving_path": paths[policy],
+                        "metrics": compare(runs, sims), "serving_path": paths[policy],
                         "windows": windows,
                         "steps": {"real": [trace_summary(steps_between(steps, a, b)) for a, b in windows],
                                   "sim": trace_summary(load_step_trace(sim_file))}}
@@ -327,4 +341,4 @@ def format_twin(result: Mapping[str, Any]) -> str:
 
 
 __all__ = ["TWIN_METRICS", "TwinSpec", "TwinPoint", "TwinServer", "run_twin", "format_twin", "compare", "spread", "twin_metrics",
-           "profile_in_child", "probe_path"]
+           "profile_in_child", "probe_path", "as_sent"]
