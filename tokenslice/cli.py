@@ -252,6 +252,16 @@ def cmd_view(a: argparse.Namespace) -> int:
     return 0
 
 
+def write_json(path: str, data: Any) -> None:
+    """Write a command's results file (indented JSON) and say so."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
+
+
 def _number_list(text: str, kind: type = float) -> list[Any]:
     """"1,2.5,4" -> [1.0, 2.5, 4.0] (flags that take several values)."""
     try:
@@ -261,8 +271,6 @@ def _number_list(text: str, kind: type = float) -> list[Any]:
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
-    import json
-
     from tqdm import tqdm
 
     from tokenslice.bench.report import format_summary, format_table, plot_results
@@ -287,10 +295,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     print(format_summary([results], [a.workload]))
     print(format_table([results]))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results if a.save_requests else strip_per_request(results), f, indent=1)
-            f.write("\n")
-        print(f"wrote {a.out}")
+        write_json(a.out, results if a.save_requests else strip_per_request(results))
     if a.plot:
         print(f"wrote {plot_results([results], a.plot)}")
     return 0
@@ -312,7 +317,6 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    import json
     import shlex
     from pathlib import Path
 
@@ -371,10 +375,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     print(format_summary([results], [a.workload]))
     print(format_table([results]))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
-            f.write("\n")
-        print(f"wrote {a.out}")
+        write_json(a.out, results)
     if a.plot:
         print(f"wrote {plot_results([results], a.plot)}")
     return 0
@@ -465,8 +466,6 @@ def add_bench_subcommand(sub: Any) -> None:
 
 
 def cmd_twin(a: argparse.Namespace) -> int:
-    import json
-
     from tokenslice.bench.twin import TwinSpec, format_twin, run_twin
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -481,10 +480,7 @@ def cmd_twin(a: argparse.Namespace) -> int:
     result = run_twin(spec, progress=tick)
     print(format_twin(result))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
-        print(f"wrote {a.out}")
+        write_json(a.out, result)
     return 0
 
 
@@ -517,12 +513,9 @@ def add_twin_subcommand(sub: Any) -> None:
     flag("profile", help="cost model JSON from `tokenslice profile` on this machine (default: profile first)")
     flag("dtype")
     flag("max_batch_size", help="the scheduling benchmarks' batch, as `simulate`'s")
-    flag("max_tokens_per_step")
-    flag("block_size")
-    flag("preemption")
+    for name in ("max_tokens_per_step", "block_size", "preemption", "max_prompt_len", "max_tokens_cap"):
+        flag(name)  # as serve's and simulate's
     flag("length_filter", help="vLLM's benchmark length filter")
-    flag("max_prompt_len")
-    flag("max_tokens_cap")
     flag("input_len", help="synthetic workloads: prompt length (mean)")
     flag("output_len", help="synthetic workloads: output length (mean)")
     flag("server_threads", help="torch threads in each server")
@@ -674,8 +667,6 @@ def cmd_predictor_build(a: argparse.Namespace) -> int:
 
 
 def cmd_predictor_eval(a: argparse.Namespace) -> int:
-    import json
-
     from tokenslice.bench.length_eval import evaluate, format_table
     from tokenslice.predict.length import LengthPredictor
 
@@ -691,10 +682,7 @@ def cmd_predictor_eval(a: argparse.Namespace) -> int:
     result["split"] = {"part": a.split, "test_size": a.test_size, "seed": a.split_seed}
     print(format_table(result))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
-        print(f"wrote {a.out}")
+        write_json(a.out, result)
     return 0
 
 
