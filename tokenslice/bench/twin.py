@@ -130,13 +130,15 @@ class TwinSpec:
 ProgressFn = Callable[[str], None]
 
 
-def profile_in_child(spec: TwinSpec, out: Path) -> None:
-    """`tokenslice profile` for the served model, in a child process with the server's threads."""
+def profile_in_child(spec: TwinSpec, out: Path, max_context: int) -> None:
+    """`tokenslice profile` for the served model, in a child process with the server's threads,
+    up to the longest context the trace reaches."""
     env = dict(os.environ)
     if spec.server_threads is not None:
         env["OMP_NUM_THREADS"] = str(spec.server_threads)
     cmd = [sys.executable, "-m", "tokenslice.cli", "--log-level", "WARNING", "profile", "--model", spec.model,
-           "--dtype", spec.dtype, "--max-batch-size", str(spec.max_batch_size), "--out", str(out), "--quiet"]
+           "--dtype", spec.dtype, "--max-batch-size", str(spec.max_batch_size), "--max-context", str(max_context),
+           "--out", str(out), "--quiet"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"tokenslice profile failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -255,14 +257,17 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
     with tempfile.TemporaryDirectory(prefix="tokenslice-twin-") as tmp:
         trace_dir = Path(spec.step_trace_dir or tmp)
         trace_dir.mkdir(parents=True, exist_ok=True)
+        every = spec.make(None, 1.0, cache)
         profile = spec.profile
         if profile is None:
             profile = str(trace_dir / "profile.json")
             tick("profiling the model (tokenslice profile)")
-            profile_in_child(spec, Path(profile))
+            # A power of two past the longest request: the grid's context points cover the trace.
+            longest = max(r.prompt_len + r.output_len for r in every)
+            profile_in_child(spec, Path(profile), max(64, 1 << longest.bit_length()))
         cost = load_cost_model(profile)
         slo = SLO_DECODE_FACTOR * cost.min_iteration_seconds()
-        kv_blocks = ample_kv_blocks(spec.make(None, 1.0, cache), spec.max_batch_size, spec.block_size)
+        kv_blocks = ample_kv_blocks(every, spec.max_batch_size, spec.block_size)
         saturation = spec.saturation_rps
         results: list[dict[str, Any]] = [{"point": dataclasses.asdict(p), "policies": {}} for p in points]
         paths: dict[str, dict[str, float]] = {}
