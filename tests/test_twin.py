@@ -91,3 +91,19 @@ def test_simulated_step_trace_matches_the_run(tmp_path: Path) -> None:
     # Virtual starts: each step begins where the one before ended, or later (an idle gap).
     for a, b in zip(steps, steps[1:]):
         assert b.start >= a.start + a.step_seconds - 1e-12
+
+
+def test_policies_can_see_another_cost_model_than_the_clock() -> None:
+    clock, other = load_cost_model("opt-13b@a100-40gb"), load_cost_model("llama-8b@a10-24gb")
+    wl = make_workload("synthetic-zipf", num_requests=60, rate=40.0, seed=5, max_len=400)
+
+    def run(policy: str, policy_cost: object) -> list[list[float]]:
+        records, _ = simulate_run(clock, wl, SchedulerConfig(policy=policy, max_batch_size=4), kv_cache_blocks=8192,
+                                  policy_cost=policy_cost)  # type: ignore[arg-type]
+        return [r.token_times for r in records]
+
+    # fcfs never asks the cost model: the clock alone sets every time.
+    assert run("fcfs", other) == run("fcfs", None) == run("fcfs", clock)
+    # skip-join-mlfq places newcomers by the first iteration's cost: another model, other decisions.
+    assert run("skip-join-mlfq", clock) == run("skip-join-mlfq", None)
+    assert run("skip-join-mlfq", other) != run("skip-join-mlfq", None)

@@ -511,6 +511,8 @@ def add_twin_subcommand(sub: Any) -> None:
     flag("seed")
     flag("repeats", help="real runs of the trace (their spread is the real engine's own noise)")
     flag("profile", help="cost model JSON from `tokenslice profile` on this machine (default: profile first)")
+    flag("sim_profile", help="cost model for the simulator's clock only (e.g. fitted on step traces); the "
+         "policies on both sides keep --profile")
     flag("dtype")
     flag("max_batch_size", help="the scheduling benchmarks' batch, as `simulate`'s")
     for name in ("max_tokens_per_step", "block_size", "preemption", "max_prompt_len", "max_tokens_cap"):

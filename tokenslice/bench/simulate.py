@@ -258,8 +258,8 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
                  priority: PriorityPattern | None = None,
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                  block_groups: bool = CacheConfig.block_groups, state_recorder: StateRecorder | None = None,
-                 path: ServingPath | None = None, step_trace: str | None = None
-                 ) -> tuple[list[RequestRecord], dict[str, Any]]:
+                 path: ServingPath | None = None, step_trace: str | None = None,
+                 policy_cost: CostModel | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay a workload on the simulator: (per-request records, engine-wide counters). The host
     tier (swap modes only) defaults to HOST_KV_FACTOR x the device pool. With `length_predictor`, requests
     without a prediction get one first (predict_lengths). With `priority`, requests get priorities
@@ -267,7 +267,8 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     scheduler as the virtual clock advances (it only reads, so the results do not change). `path`
     adds the serving path outside the engine (HTTP in and out, bench/serving_path.py): the records
     are then what a client would see. `step_trace` writes every simulated step as the real engine's
-    --step-trace does (virtual-clock starts); it turns off fast-forward, which changes no result."""
+    --step-trace does (virtual-clock starts); it turns off fast-forward, which changes no result.
+    `policy_cost`: the cost model the policies see, when it is not the clock's."""
     from tokenslice.engine.engine import Engine  # the engine pulls in the scheduler stack: import on use
 
     check_fits(workload_requests, kv_cache_blocks, block_size)
@@ -276,7 +277,8 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     host = HOST_KV_FACTOR * kv_cache_blocks if host_kv_blocks is None else host_kv_blocks
     engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
                               host_kv_blocks=host, offload_dtype=offload_dtype,
-                              enable_prefix_caching=enable_prefix_caching, block_groups=block_groups)
+                              enable_prefix_caching=enable_prefix_caching, block_groups=block_groups,
+                              policy_cost=policy_cost)
     if step_trace is not None:
         from tokenslice.engine.step_trace import StepTraceWriter
 

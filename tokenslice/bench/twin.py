@@ -69,6 +69,9 @@ class TwinSpec:
     seed: int = 0
     repeats: int = 3
     profile: str | None = None  # cost model JSON; None: `tokenslice profile` runs first
+    # The simulator's clock, when not `profile` (e.g. one fitted on step traces); the policies on
+    # both sides keep `profile`, as the servers were given it.
+    sim_profile: str | None = None
     dtype: str = field_from(ModelConfig, "dtype")
     max_batch_size: int = field_from(SchedulerConfig, "max_batch_size", default=SIMULATE_MAX_BATCH_SIZE)
     max_tokens_per_step: int = field_from(SchedulerConfig, "max_tokens_per_step")
@@ -235,12 +238,14 @@ def as_sent(trace: Sequence[WorkloadRequest], records: Sequence[ClientRecord]) -
     return [dataclasses.replace(r, arrival_time=sent.get(r.request_id, r.arrival_time)) for r in trace]
 
 
-def _simulate_point(spec: TwinSpec, policy: str, cost: CostModel, trace: list[WorkloadRequest], slo: float,
-                    kv_blocks: int, path: ServingPath, out: Path | None) -> list[RequestRecord]:
+def _simulate_point(spec: TwinSpec, policy: str, costs: tuple[CostModel, CostModel], trace: list[WorkloadRequest],
+                    slo: float, kv_blocks: int, path: ServingPath, out: Path | None) -> list[RequestRecord]:
+    """One simulation; `costs` = (the clock's cost model, the policies')."""
     if out is not None:
         out.unlink(missing_ok=True)
-    records, _ = simulate_run(cost, trace, spec.scheduler_config(policy, slo), kv_blocks, spec.block_size,
-                              4 * kv_blocks, path=path, step_trace=None if out is None else str(out))
+    records, _ = simulate_run(costs[0], trace, spec.scheduler_config(policy, slo), kv_blocks, spec.block_size,
+                              4 * kv_blocks, path=path, step_trace=None if out is None else str(out),
+                              policy_cost=costs[1])
     return records
 
 
@@ -266,6 +271,7 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
             longest = max(r.prompt_len + r.output_len for r in every)
             profile_in_child(spec, Path(profile), max(64, 1 << longest.bit_length()))
         cost = load_cost_model(profile)
+        costs = (load_cost_model(spec.sim_profile) if spec.sim_profile else cost, cost)
         slo = SLO_DECODE_FACTOR * cost.min_iteration_seconds()
         kv_blocks = ample_kv_blocks(every, spec.max_batch_size, spec.block_size)
         saturation = spec.saturation_rps
@@ -297,7 +303,7 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
                         runs.append(twin_metrics(res.records))
                         windows.append((res.wall_start, res.wall_start + res.duration_s))
                         # The simulator replays each run as the client really sent it.
-                        sims.append(twin_metrics(_simulate_point(spec, policy, cost, as_sent(trace, res.records), slo,
+                        sims.append(twin_metrics(_simulate_point(spec, policy, costs, as_sent(trace, res.records), slo,
                                                                  kv_blocks, path, sim_file if k == 0 else None)))
                     steps = load_step_trace(step_file) if has_steps else []
                     results[i]["rate"] = rate
@@ -309,7 +315,7 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
             finally:
                 side.stop()
         return {"tool": "twin", "model": spec.model, "profile": profile if spec.profile else cost.name,
-                "profile_file": profile, "spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "policies"},
+                "profile_file": profile, "sim_profile": costs[0].name, "spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "policies"},
                 "saturation_rps": saturation, "num_requests": spec.num_requests, "slo_normalized_latency": slo,
                 "kv_cache_blocks": kv_blocks, "step_trace_dir": spec.step_trace_dir, "points": results}
 

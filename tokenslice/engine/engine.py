@@ -240,15 +240,18 @@ class Engine:
                   block_size: int = 16, max_model_len: int = 1 << 30, host_kv_blocks: int = 0,
                   offload_dtype: str = "auto",
                   enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-                  block_groups: bool = CacheConfig.block_groups, max_in_flight: int | None = None) -> Engine:
+                  block_groups: bool = CacheConfig.block_groups, max_in_flight: int | None = None,
+                  policy_cost: CostModel | None = None) -> Engine:
         """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
         iteration times (and swap copy times) from the cost model instead of a model. A cost
         model with pipeline stages (`:ppM`) gets the pipelined executor, `max_in_flight` batches
-        in the pipe (default one per stage)."""
+        in the pipe (default one per stage). `policy_cost` is the cost model the policies see
+        (default: `cost`), e.g. the profile a real server's policies were given, when the clock
+        runs on another one."""
         swapping = PREEMPTION_STRATEGIES[config.preemption].uses_host_tier
         kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0,
                        contiguous=swapping and block_groups, prefix_caching=enable_prefix_caching)
-        ctx = PolicyContext(config, cost)
+        ctx = PolicyContext(config, policy_cost or cost)
         policy = make_policy(config.policy, ctx)
         clock = VirtualClock()
         block_bytes = offload_block_bytes(block_size, cost.kv_bytes_per_token, offload_dtype)
