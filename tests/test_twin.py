@@ -107,3 +107,24 @@ def test_policies_can_see_another_cost_model_than_the_clock() -> None:
     # skip-join-mlfq places newcomers by the first iteration's cost: another model, other decisions.
     assert run("skip-join-mlfq", clock) == run("skip-join-mlfq", None)
     assert run("skip-join-mlfq", other) != run("skip-join-mlfq", None)
+
+
+def test_serving_path_read_off_lone_requests_and_their_steps() -> None:
+    from tokenslice.bench.client import ClientRecord
+    from tokenslice.bench.trace_compare import measure_path, trace_summary
+    from tokenslice.engine.step_trace import StepRecord
+
+    # Two lone requests, sent at 100.000 and 200.000 (wall clock): each prompt ran in a step that
+    # began 3 ms after the send and took 1 + 2 + 1 ms; the first token reached the client 5 ms later.
+    steps, lone = [], []
+    for k, zero in enumerate((100.0, 200.0)):
+        start = zero + 0.003
+        steps.append(StepRecord(2 * k + 1, start, prefill=[[16, 0]], sampled=1, running=1, schedule_s=0.001,
+                                execute_s=0.002, update_s=0.001))
+        steps.append(StepRecord(2 * k + 2, start + 0.006, decode=[17], sampled=1, running=1))
+        lone.append((zero, ClientRecord(request_id=f"r{k}", arrival=0.0, first_token_time=0.003 + 0.004 + 0.005)))
+    path = measure_path(lone, steps)
+    assert path.ingress_s == pytest.approx(0.003) and path.egress_s == pytest.approx(0.005)
+    summary = trace_summary(steps)
+    assert summary["steps"] == 4 and summary["prefill_steps"] == 2 and summary["mean_prefill_chunk"] == 16
+    assert summary["median_period_s"] == pytest.approx(0.006)  # the idle gap between the requests is no step's
