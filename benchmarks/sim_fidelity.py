@@ -33,12 +33,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
-from tokenslice.bench.trace_compare import step_errors, steps_between
+from tokenslice.bench.trace_compare import steps_between
 from tokenslice.bench.twin import TwinPoint, TwinSpec, run_twin
 from tokenslice.bench.workloads import DatasetCache
+from tokenslice.config import CacheConfig
 from tokenslice.engine.step_trace import load_step_trace
+from tokenslice.engine.trace_fit import evaluate_steps, traced_steps
+from tokenslice.exec.sim import offload_block_bytes
 from tokenslice.predict.cost import load_cost_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,17 +80,17 @@ def run_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                                                       file=sys.stderr, flush=True),
                       cache=DatasetCache(), points=POINTS)
     result["elapsed_s"] = time.perf_counter() - t0
-    # Per-step error on every real step of the measured runs.
+    # Per-step error (`profile --evaluate`'s) on every real step of the measured runs.
     cost = load_cost_model(result["profile_file"])
-    errors: list[float] = []
+    measured = []
     for policy in spec.policies:
         steps = load_step_trace(traces / f"{policy}.steps.jsonl")
         for point in result["points"]:
             for a, b in point["policies"][policy]["windows"]:
-                errors += step_errors(steps_between(steps, a, b), cost)
-    abs_err = np.abs(errors)
-    result["step_error"] = {"steps": len(errors), "median_abs": float(np.median(abs_err)),
-                            "p90_abs": float(np.percentile(abs_err, 90)), "mean_signed": float(np.mean(errors))}
+                measured += traced_steps(steps_between(steps, a, b))
+    stats = evaluate_steps(cost, measured, offload_block_bytes(CacheConfig.block_size, cost.kv_bytes_per_token))["all"]
+    result["step_error"] = {"steps": stats.steps, "median_abs": stats.median, "p90_abs": stats.p90,
+                            "mean_signed": stats.bias, "total": stats.total}
     result["profile_json"] = json.loads(Path(result["profile_file"]).read_text())
     return result
 
@@ -105,7 +107,8 @@ def table(name: str, result: dict[str, Any]) -> str:
     lines = [f"\n{name}: N = {result['num_requests']} per run, {result['spec']['repeats']} real runs per point, "
              f"fcfs saturation {result['saturation_rps']:.3g} req/s, {result['elapsed_s']:.0f} s",
              f"per-step |error| of the profile on {se['steps']} real steps: median {100 * se['median_abs']:.1f}%, "
-             f"p90 {100 * se['p90_abs']:.1f}% (mean signed {100 * se['mean_signed']:+.1f}%)",
+             f"p90 {100 * se['p90_abs']:.1f}% (median signed {100 * se['mean_signed']:+.1f}%, summed time "
+             f"{100 * se['total']:+.1f}%)",
              f"| point | policy | real norm. latency (spread) | simulated | error | | real TTFT (spread) | simulated "
              f"| error | |", "|---|---|---|---|---|---|---|---|---|---|"]
     for point in result["points"]:

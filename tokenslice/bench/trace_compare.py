@@ -19,7 +19,6 @@ import numpy as np
 from tokenslice.bench.client import ClientRecord
 from tokenslice.bench.serving_path import ServingPath
 from tokenslice.engine.step_trace import StepRecord
-from tokenslice.predict.cost import BatchShape, CostModel
 
 # Step starts and client stamps come from two processes' clocks read at different moments:
 # allow this much disorder when matching a sent request to the step that ran it.
@@ -37,18 +36,6 @@ def step_periods(steps: Sequence[StepRecord]) -> list[float]:
     # A next step that decodes continues requests that were live after the step before it, so
     # the engine did not sit idle waiting for arrivals in between.
     return [b.start - a.start for a, b in zip(steps, steps[1:]) if b.decode]
-
-
-def step_errors(steps: Sequence[StepRecord], cost: CostModel) -> list[float]:
-    """Per step: the cost model's time for its batch over the real step's period, minus 1 (the
-    steps `step_periods` counts; the period includes the loop's work up to the next step, which
-    the simulator's clock must account for too)."""
-    out = []
-    for a, b in zip(steps, steps[1:]):
-        if b.decode:
-            shape = BatchShape.from_lengths(prefill=[(q, past) for q, past in a.prefill], decode=a.decode)
-            out.append(cost.iteration_seconds(shape) / (b.start - a.start) - 1.0)
-    return out
 
 
 def trace_summary(steps: Sequence[StepRecord]) -> dict[str, Any]:
@@ -89,4 +76,4 @@ def measure_path(lone: Sequence[tuple[float, ClientRecord]], steps: Sequence[Ste
     return ServingPath(float(np.median(ins)), float(np.median(outs)))
 
 
-__all__ = ["steps_between", "step_periods", "step_errors", "trace_summary", "measure_path", "CLOCK_SLACK_S"]
+__all__ = ["steps_between", "step_periods", "trace_summary", "measure_path", "CLOCK_SLACK_S"]
