@@ -246,6 +246,7 @@ def cmd_view(a: argparse.Namespace) -> int:
 
     from tokenslice.server.replay import create_replay_app
 
+    print(f"indexing {a.file}", file=sys.stderr)
     app = create_replay_app(a.file)
     print(f"replaying {a.file} at http://{a.host}:{a.port}/dashboard", file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level.lower(), access_log=False)
