@@ -2,6 +2,10 @@
 
 step() = plan = scheduler.schedule(now); result = executor.execute(plan);
          scheduler.update(plan, result, now); then detokenize and report.
+
+With pipeline stages (max_in_flight M > 1, FastServe §4.3) step() first fills the pipe: it
+schedules and submits plans until M are in flight (each from the requests not already in it,
+sched/scheduler.py's in-flight rule), then polls the oldest and updates with it.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,16 +82,19 @@ class _ModelSide:
 
         if config.parallel.multiproc:
             from tokenslice.exec.multiproc import MultiprocExecutor
+            from tokenslice.model.pp import PPStage
             from tokenslice.model.tp import TPShard
 
+            par = config.parallel
             arch = load_arch(config.model)
-            TPShard(arch, 0, config.parallel.tensor_parallel_size)  # refuses a size the heads do not fit
+            TPShard(arch, 0, par.tensor_parallel_size)  # refuses a size the heads do not fit
+            PPStage.of(arch, 0, par.pipeline_parallel_size)  # ... or more stages than layers
             limit = arch.max_position_embeddings
             max_len = min(config.model.max_model_len or limit, limit)
             tokenizer = model_tokenizer(config.model, arch)
-            mp = MultiprocExecutor(config.model, config.cache, config.parallel.tensor_parallel_size,
+            mp = MultiprocExecutor(config.model, config.cache, par.tensor_parallel_size,
                                    max_model_len=max_len, max_batch_size=config.scheduler.max_batch_size,
-                                   host_tier=swapping)
+                                   host_tier=swapping, pp_size=par.pipeline_parallel_size)
             return _ModelSide(mp, arch, tokenizer, str(Path(config.model.model)), max_len, mp.num_blocks,
                               mp.num_host_blocks, mp.host_block_bytes)
         from tokenslice.exec.local import LocalExecutor
@@ -141,9 +149,12 @@ def tokenize_prompt(tokenizer: Any | None, prompt: str | list[int]) -> list[int]
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, *, tokenizer: Any | None,
                  clock: RealClock | VirtualClock, max_model_len: int, vocab_size: int,
-                 eos_token_ids: list[int], model_name: str = "") -> None:
+                 eos_token_ids: list[int], model_name: str = "", max_in_flight: int = 1) -> None:
+        """`max_in_flight`: plans the executor may hold at once (its pipeline stages)."""
         self.scheduler = scheduler
         self.executor = executor
+        self.max_in_flight = max_in_flight
+        self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
         self.tokenizer = tokenizer
         self.clock = clock
         self.max_model_len = max_model_len
@@ -176,9 +187,9 @@ class Engine:
             if swapping and host_blocks == 0:
                 log.warning("preemption %s without host KV space (--swap-space-gb 0): every eviction recomputes",
                             config.scheduler.preemption)
-            log.info("model %s (%s, tensor-parallel size %d): %d KV blocks of %d tokens, %d host blocks",
-                     side.name, side.arch.architecture, config.parallel.tensor_parallel_size, blocks,
-                     config.cache.block_size, host_blocks)
+            log.info("model %s (%s, tensor-parallel size %d, %d pipeline stages): %d KV blocks of %d tokens, "
+                     "%d host blocks", side.name, side.arch.architecture, config.parallel.tensor_parallel_size,
+                     config.parallel.pipeline_parallel_size, blocks, config.cache.block_size, host_blocks)
             # Block groups (FastSwitch §3.1) so a swap is a few large copies.
             kv = KVManager(config.cache.block_size, blocks, host_blocks,
                            contiguous=swapping and config.cache.block_groups,
@@ -191,7 +202,7 @@ class Engine:
             eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
             engine = cls(scheduler, side.executor, tokenizer=side.tokenizer, clock=RealClock(),
                          max_model_len=side.max_len, vocab_size=side.arch.vocab_size, eos_token_ids=eos_ids,
-                         model_name=side.name)
+                         model_name=side.name, max_in_flight=config.parallel.pipeline_parallel_size)
             if config.step_trace:
                 engine.step_trace = StepTraceWriter(config.step_trace)
             if side.runner is not None:  # the model in this process (tests and benchmarks read it)
@@ -333,7 +344,8 @@ class Engine:
         return self.scheduler.abort(request_id, self.clock.now()) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Live requests, or plans still in flight (of requests aborted meanwhile)."""
+        return self.scheduler.has_unfinished() or bool(self._pipe)
 
     def state(self) -> dict[str, Any]:
         """The scheduler as plain data for a live view (sched/snapshot.py): ids and counts, no text."""
@@ -359,6 +371,8 @@ class Engine:
         arrival) or `max_steps` steps (the next priority update). `produced` then lists each
         request once."""
         t0 = time.perf_counter()
+        if self.max_in_flight > 1:
+            return self._advance_pipelined(t0)
         plan = self.scheduler.schedule(self.clock.now())
         t1 = time.perf_counter()
         if self.fast_forward and self.clock.now() < horizon:
@@ -369,6 +383,25 @@ class Engine:
                 self.timings.update_s += time.perf_counter() - t1
                 return ran, finished
         result = self.executor.execute(plan)
+        return self._after_step(plan, result, t0, t1)
+
+    def _advance_pipelined(self, t0: float) -> tuple[list[Request], list[Request]]:
+        """Fill the pipe up to max_in_flight plans, then take the oldest one's result (FastServe
+        §4.3: at each submission the highest-ranked requests not in flight form the batch)."""
+        sched = self.scheduler
+        while len(self._pipe) < self.max_in_flight and (not self._pipe or sched.has_pending()):
+            plan = sched.schedule(self.clock.now())
+            self.executor.submit(plan)
+            self._pipe.append(plan)
+            if plan.is_empty:  # nothing more can start before a result returns
+                break
+        t1 = time.perf_counter()
+        result = self.executor.poll()
+        return self._after_step(self._pipe.popleft(), result, t0, t1)
+
+    def _after_step(self, plan: StepPlan, result: StepResult, t0: float, t1: float
+                    ) -> tuple[list[Request], list[Request]]:
+        """Update the scheduler with a plan's result; the rest of _advance."""
         t2 = time.perf_counter()
         self.clock.advance(result.step_seconds)
         self.num_steps += 1
