@@ -2,10 +2,6 @@
 
 step() = plan = scheduler.schedule(now); result = executor.execute(plan);
          scheduler.update(plan, result, now); then detokenize and report.
-
-With pipeline stages (max_in_flight M > 1, FastServe §4.3) step() first fills the pipe: it
-schedules and submits plans until M are in flight (each from the requests not already in it,
-sched/scheduler.py's in-flight rule), then polls the oldest and updates with it.
 """
 from __future__ import annotations
 
@@ -25,6 +21,7 @@ from tokenslice.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
 from tokenslice.engine.step_trace import StepTraceWriter, step_record
 from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
+from tokenslice.exec.sim_pipeline import PipelinedSimulatedExecutor
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestError, Request, RequestOutput,
@@ -50,7 +47,7 @@ class StepTimings:
 class Executor(Protocol):
     """Runs plans (DESIGN.md, Executor). `submit` hands over a plan and `poll` returns the
     oldest submitted plan's result, so several plans may be in flight (pipeline parallelism);
-    `execute(plan)` is submit + poll, what the engine loop calls."""
+    `execute(plan)` is submit + poll, what the engine loop calls with one plan in flight."""
 
     def submit(self, plan: StepPlan) -> None: ...
 
@@ -153,8 +150,6 @@ class Engine:
         """`max_in_flight`: plans the executor may hold at once (its pipeline stages)."""
         self.scheduler = scheduler
         self.executor = executor
-        self.max_in_flight = max_in_flight
-        self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
         self.tokenizer = tokenizer
         self.clock = clock
         self.max_model_len = max_model_len
@@ -176,6 +171,8 @@ class Engine:
         # Off in the engine-core process: the API server detokenizes and applies stop strings there.
         self.detokenize = True
         self.step_trace: StepTraceWriter | None = None  # --step-trace: one record per real step
+        self.max_in_flight = max_in_flight
+        self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -246,9 +243,11 @@ class Engine:
                   block_size: int = 16, max_model_len: int = 1 << 30, host_kv_blocks: int = 0,
                   offload_dtype: str = "auto",
                   enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-                  block_groups: bool = CacheConfig.block_groups) -> Engine:
+                  block_groups: bool = CacheConfig.block_groups, max_in_flight: int | None = None) -> Engine:
         """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
-        iteration times (and swap copy times) from the cost model instead of a model."""
+        iteration times (and swap copy times) from the cost model instead of a model. A cost
+        model with pipeline stages (`:ppM`) gets the pipelined executor, `max_in_flight` batches
+        in the pipe (default one per stage)."""
         swapping = PREEMPTION_STRATEGIES[config.preemption].uses_host_tier
         kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0,
                        contiguous=swapping and block_groups, prefix_caching=enable_prefix_caching)
@@ -257,9 +256,13 @@ class Engine:
         clock = VirtualClock()
         block_bytes = offload_block_bytes(block_size, cost.kv_bytes_per_token, offload_dtype)
         scheduler = Scheduler(config, policy, kv, ctx, swap_block_bytes=block_bytes)
-        engine = cls(scheduler, SimulatedExecutor(cost, clock, block_bytes), tokenizer=None, clock=clock,
-                     max_model_len=max_model_len, vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name)
-        engine.fast_forward = True
+        pipelined = cost.pipeline_parallel > 1
+        executor = (PipelinedSimulatedExecutor(cost, clock, block_bytes, max_in_flight) if pipelined
+                    else SimulatedExecutor(cost, clock, block_bytes))
+        engine = cls(scheduler, executor, tokenizer=None, clock=clock, max_model_len=max_model_len,
+                     vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name,
+                     max_in_flight=executor.max_in_flight if pipelined else 1)
+        engine.fast_forward = not pipelined  # bulk repeats assume one batch at a time
         return engine
 
     # ---- requests ---------------------------------------------------------------------------
@@ -370,9 +373,9 @@ class Engine:
         event: a finish, a policy change, KV growth that no longer fits, `horizon` (the next
         arrival) or `max_steps` steps (the next priority update). `produced` then lists each
         request once."""
-        t0 = time.perf_counter()
         if self.max_in_flight > 1:
-            return self._advance_pipelined(t0)
+            return self._advance_pipelined(horizon)
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule(self.clock.now())
         t1 = time.perf_counter()
         if self.fast_forward and self.clock.now() < horizon:
@@ -383,27 +386,44 @@ class Engine:
                 self.timings.update_s += time.perf_counter() - t1
                 return ran, finished
         result = self.executor.execute(plan)
-        return self._after_step(plan, result, t0, t1)
-
-    def _advance_pipelined(self, t0: float) -> tuple[list[Request], list[Request]]:
-        """Fill the pipe up to max_in_flight plans, then take the oldest one's result (FastServe
-        §4.3: at each submission the highest-ranked requests not in flight form the batch)."""
-        sched = self.scheduler
-        while len(self._pipe) < self.max_in_flight and (not self._pipe or sched.has_pending()):
-            plan = sched.schedule(self.clock.now())
-            self.executor.submit(plan)
-            self._pipe.append(plan)
-            if plan.is_empty:  # nothing more can start before a result returns
-                break
-        t1 = time.perf_counter()
-        result = self.executor.poll()
-        return self._after_step(self._pipe.popleft(), result, t0, t1)
-
-    def _after_step(self, plan: StepPlan, result: StepResult, t0: float, t1: float
-                    ) -> tuple[list[Request], list[Request]]:
-        """Update the scheduler with a plan's result; the rest of _advance."""
-        t2 = time.perf_counter()
         self.clock.advance(result.step_seconds)
+        return self._apply(plan, result, t0, t1)
+
+    def _advance_pipelined(self, horizon: float) -> tuple[list[Request], list[Request]]:
+        """Pipeline stages (FastServe §4.3): submit batches of pending jobs while the pipe has
+        room (the scheduler leaves out jobs whose token is in it), then take back the oldest
+        batch: its tokens, finishes, and the policy's charge (a job whose quantum ran out in
+        flight is demoted now). In the simulator a request arriving while the pipe has room is
+        admitted before the oldest batch returns, as a real loop would."""
+        ex, sched = self.executor, self.scheduler
+        t0 = time.perf_counter()
+        while len(self._pipe) < self.max_in_flight:
+            plan = sched.schedule(self.clock.now())
+            if self._pipe and not plan.has_work:
+                sched.keep_released(plan)
+                break
+            ex.submit(plan)
+            self._pipe.append(plan)
+            if not plan.has_work:
+                break  # nothing could start: wait for what the executor is doing
+        t1 = time.perf_counter()
+        if isinstance(ex, PipelinedSimulatedExecutor) and len(self._pipe) < self.max_in_flight:
+            ready = ex.next_ready()
+            if ready is not None and horizon < ready:
+                self.clock.advance_to(horizon)
+                self.timings.schedule_s += t1 - t0
+                return [], []
+        result = ex.poll()
+        plan = self._pipe.popleft()
+        if result.done_at is not None:
+            self.clock.advance_to(result.done_at)
+        return self._apply(plan, result, t0, t1)
+
+    def _apply(self, plan: StepPlan, result: StepResult, t0: float, t1: float
+               ) -> tuple[list[Request], list[Request]]:
+        """A plan's result into the scheduler (tokens, finishes), the detokenizers, the length
+        predictor and the step trace; `t0`/`t1`: when its scheduling began and ended."""
+        t2 = time.perf_counter()
         self.num_steps += 1
         now = self.clock.now()
         produced = self.scheduler.update(plan, result, now)

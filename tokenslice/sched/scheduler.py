@@ -1,16 +1,8 @@
 """Scheduler: walks the policy's order, fills a batch under the step limits and the KV pool,
 and returns a StepPlan; after the step it records tokens and finishes requests (DESIGN.md).
-What happens to KV when memory is short is the preemption strategy's (sched/preemption.py).
-
-Several plans may be in flight (pipeline stages, FastServe §4.3): every schedule() is followed,
-in the same order, by one update() of that plan. A request in a plan not yet updated is in the
-pipeline: its next token is not known, so it joins no other batch, is never a victim and is not
-preempted; the next batch forms from the highest-ranked pending requests. The policy hears of a
-step at its update, so a job whose quantum ends while in flight is demoted when its token returns.
-"""
+What happens to KV when memory is short is the preemption strategy's (sched/preemption.py)."""
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 
 from tokenslice.config import SchedulerConfig
@@ -37,10 +29,11 @@ class Scheduler:
             config, policy, kv, self.ctx, self.stats, self.requests, swap_block_bytes)
         self._released: list[str] = []  # finished since the last plan; the executor may forget them
         self._finished: list[Request] = []  # finished since the engine last asked
-        self._running: set[str] = set()  # chosen by the last plan, or in the pipeline
+        self._running: set[str] = set()  # chosen by the last plan
         self._stalled: list[Request] = []  # chosen by rank but waiting for their KV this step
-        self._in_pipeline: set[str] = set()  # in a plan scheduled but not yet updated
-        self._plan_stalls: deque[list[Request]] = deque()  # each plan in flight's `_stalled`, oldest first
+        # In a plan not yet updated: with pipeline stages, their token is still in the pipe and
+        # they join no other batch (FastServe §4.3). Empty between steps without stages.
+        self._in_pipeline: set[str] = set()
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
@@ -88,15 +81,6 @@ class Scheduler:
         return self._count(RequestState.PREEMPTED)
 
     @property
-    def num_in_pipeline(self) -> int:
-        """Requests in plans scheduled but not yet updated (pipeline stages)."""
-        return len(self._in_pipeline)
-
-    def has_pending(self) -> bool:
-        """Whether some live request is outside the pipeline (could join a batch now)."""
-        return len(self.requests) > len(self._in_pipeline & self.requests.keys())
-
-    @property
     def num_swapped(self) -> int:
         return sum(1 for rid in self.requests if self.kv.residency(rid) == "host")
 
@@ -106,26 +90,28 @@ class Scheduler:
         self._released = []
         self.preemption.begin_plan(now)
         self.kv.begin_plan()
-        busy = self._in_pipeline
-        # The in-flight rule: requests in the pipeline are neither walked nor victims.
-        ranked = iter([r for r in self.policy.ranked(now) if r.request_id not in busy] if busy
-                      else self.policy.ranked(now))
+        ranked = iter(self.policy.ranked(now))
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
+        busy = self._in_pipeline
         chosen, stalled, rest = self._fill_batch(ranked, seen, plan, now)
         self.preemption.end_plan(chosen | busy, plan)
         self.preemption.offload_evicted(plan)
         self.kv.end_plan()
         if not chosen and self.requests and not stalled and not self.kv.num_in_flight and not busy:
             self._resolve_stall(seen + list(rest), now)
-        for rid in self._running - chosen - busy:
+        for rid in self._running - chosen - busy:  # one in the pipe is not preempted: it runs
             req = self.requests.get(rid)
             if req is not None:
                 self.preemption.preempt(req)
-        self._running = chosen | busy
-        self._in_pipeline = busy | chosen
+        self._running = chosen | (self._running & busy)
         self._stalled = stalled
-        self._plan_stalls.append(stalled)
+        busy |= chosen
         return plan
+
+    def keep_released(self, plan: StepPlan) -> None:
+        """`plan` goes to no executor (nothing to run while other plans are in flight): the
+        requests it released are handed over with the next plan instead."""
+        self._released = plan.finished + self._released
 
     def _fill_batch(self, it: Iterator[Request], seen: list[Request], plan: StepPlan,
                     now: float) -> tuple[set[str], list[Request], Iterator[Request]]:
@@ -142,8 +128,10 @@ class Scheduler:
             req = next(it, None)  # `it` is rebound when the rest of the order is materialized
             if req is None:
                 break
-            seen.append(req)
             rid = req.request_id
+            if rid in self._in_pipeline:  # its token is not back: the next pending job runs instead
+                continue
+            seen.append(req)
             if kv.in_flight(rid):  # never scheduled until its copy completes
                 stalled.append(req)
                 continue
@@ -162,7 +150,7 @@ class Scheduler:
             if need > kv.device.num_free:
                 lower = list(it)  # everything not yet walked is lower-ranked
                 it = iter(lower)
-                if not pre.make_room(need, lower, chosen, holds_kv, plan, dropped, loads):
+                if not pre.make_room(need, lower, chosen | self._in_pipeline, holds_kv, plan, dropped, loads):
                     admission_blocked = admission_blocked or not holds_kv
                     if hit is not None:
                         kv.detach_prefix(rid)
@@ -216,18 +204,17 @@ class Scheduler:
         """Record computed and sampled tokens; returns requests that got a new token."""
         ran: list[Request] = []
         produced: list[Request] = []
+        self._in_pipeline.difference_update(s.request_id for s in plan.slices)
         self.preemption.observe(plan, result)
         for rid in result.transfers_done:  # also for requests aborted mid-transfer
             if self.kv.in_flight(rid):
                 self.kv.end_transfer(rid)
         # Sync swap copies held the whole batch: swap stall, not execution (FastServe Fig. 15b).
         sync_s = result.transfer_seconds
-        for req in self._plan_stalls.popleft():
+        for req in self._stalled:
             if req.request_id in self.requests:
                 req.metrics.swap_stall_s += result.step_seconds
-        if not self._plan_stalls:
-            self._stalled = []
-        self._in_pipeline -= {s.request_id for s in plan.slices}
+        self._stalled = []
         per_token = (result.step_seconds - sync_s) / plan.num_tokens if plan.num_tokens else 0.0
         for s in plan.slices:
             req = self.requests.get(s.request_id)
@@ -283,7 +270,6 @@ class Scheduler:
         schedule/update rounds would (the caller checked nothing else could change)."""
         k = len(durations)
         new_tokens = [token] * k
-        self._plan_stalls.pop()  # these steps replace the plan just scheduled, never updated
         self._in_pipeline.difference_update(r.request_id for r in reqs)
         for req in reqs:
             self.kv.ensure(req.request_id, req.num_computed_tokens + k)
