@@ -106,7 +106,8 @@ def main() -> None:
     for r in rows:
         stages = "  ".join(f"[{b:.2f} / {w:.2f} / {f:.0%}]"
                            for b, w, f in zip(r["stage_busy_s"], r["stage_wait_s"], r["bubble"]))
-        print(f"{r['config']:<22}{r['steps']:>7}{r['wall_s']:>9.2f}{r['steps_per_s']:>9.1f}{r['tok_per_s']:>8.1f}  {stages}")
+        print(f"{r['config']:<22}{r['steps']:>7}{r['wall_s']:>9.2f}{r['steps_per_s']:>9.1f}"
+              f"{r['tok_per_s']:>8.1f}  {stages}")
     print("per-stage busy ms per decode-only plan, by batch size (stage 0, stage 1):")
     for r in rows[:2]:
         cells = ", ".join(f"{b}: " + "/".join(f"{x:.1f}" for x in ms) for b, ms in r["decode_stage_ms"].items())
