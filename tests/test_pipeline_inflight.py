@@ -14,7 +14,7 @@ from tokenslice.config import PREEMPTION_MODES, SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import load_cost_model
-from tokenslice.request import SamplingParams
+from tokenslice.request import SamplingParams, TokenLogprobs
 from tokenslice.sched.scheduler import Scheduler
 
 COST = load_cost_model("opt-13b@a100-40gb")
@@ -50,8 +50,10 @@ class PipelinedExecutor:
 
     def poll(self) -> StepResult:
         plan = self.pipe.popleft()
+        asks = [s.request_id for s in plan.slices if s.sample and s.params.logprobs is not None]
         return StepResult(sampled={s.request_id: 7 for s in plan.slices if s.sample}, step_seconds=self.step_seconds,
-                          transfers_done=[t.request_id for t in plan.async_transfers])
+                          transfers_done=[t.request_id for t in plan.async_transfers],
+                          logprobs={rid: TokenLogprobs([7], [-0.5]) for rid in asks})
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.submit(plan)
@@ -129,3 +131,24 @@ def test_a_quantum_that_ends_in_flight_demotes_when_the_token_returns():
     assert level() == 0  # in flight: its quantum ended, but nothing is known of it yet
     eng.step()  # the only request is in flight: nothing to add, its result comes back
     assert level() == 1 and not ex.pipe
+
+
+def test_a_request_aborted_in_flight_leaves_nothing_behind():
+    eng, ex = _pipelined("fcfs", "recompute", 2, 100, 0)
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=1)
+    gone = eng.add_request([7] * 4, params, request_id="gone")
+    kept = eng.add_request([7] * 4, params, request_id="kept")
+    plan = eng.scheduler.schedule(eng.clock.now())
+    ex.submit(plan)
+    eng._pipe.append(plan)
+    assert eng.abort_request("gone") and gone.finish_reason == "abort"
+    outs = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            outs.setdefault(out.request_id, []).append(out)
+    # Its token came back after the abort: only the abort's final output, no token, no logprobs.
+    assert [(o.new_token_ids, o.logprobs, o.finish_reason) for o in outs["gone"]] == [([], None, "abort")]
+    assert not eng._logprobs and not ex.pipe
+    assert [len(o.logprobs) for o in outs["kept"]] == [1] * 5 and kept.num_output_tokens == 5
+    kv = eng.scheduler.kv
+    assert kv.device.num_free == kv.device.num_blocks

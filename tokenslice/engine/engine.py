@@ -426,10 +426,14 @@ class Engine:
         t2 = time.perf_counter()
         self.num_steps += 1
         now = self.clock.now()
+        # A request aborted while its plan was in flight (pipeline stages) gets no output: drop
+        # its late logprobs rather than keep them forever.
+        live = {rid for rid in (*result.logprobs, *result.prompt_logprobs) if rid in self.scheduler.requests}
         produced = self.scheduler.update(plan, result, now)
         for pending, new in ((self._logprobs, result.logprobs), (self._prompt_logprobs, result.prompt_logprobs)):
             for rid, lp in new.items():
-                pending.setdefault(rid, TokenLogprobs()).extend(lp)
+                if rid in live:
+                    pending.setdefault(rid, TokenLogprobs()).extend(lp)
         if self._detok:
             for req in produced:
                 det = self._detok.get(req.request_id)
