@@ -4,19 +4,16 @@ happening (each stage swapping its own layers' KV); a stage holds only its layer
 answers with -pp 2. Each -pp 2 engine starts once per module and runs several scenarios."""
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
 
 from conftest import STORIES
-from test_tensor_parallel import (GREEDY, LONG, PRESSURE, _assert_all_free, _assert_mode_acted, _one_rank, _reschedule,
-                                  _run_waves)
+from test_tensor_parallel import (PRESSURE, _assert_all_free, _assert_mode_acted, _one_rank, _reschedule, _run_waves,
+                                  kill_rank_raises_and_close_reaps)
 from tokenslice import LLM, SamplingParams
 from tokenslice.cli import build_parser, engine_config_from_args
 from tokenslice.config import PREEMPTION_MODES, EngineConfig, ModelConfig
 from tokenslice.engine.engine import Engine
-from tokenslice.exec.multiproc import MultiprocExecutor, WorkerError
+from tokenslice.exec.multiproc import MultiprocExecutor
 from tokenslice.model.arch import ModelLoadError
 from tokenslice.model.loader import load_arch, load_model
 from tokenslice.model.pp import PPStage
@@ -107,16 +104,7 @@ def test_seeded_sampling_matches_one_process(stories_pp2):
 def test_a_killed_stage_raises_and_close_reaps(stories_pp2):
     # Last user of the module's engine: it breaks it. The first stage's worker dies while the
     # other waits for its activations: the engine raises instead of hanging.
-    engine, ex = stories_pp2.engine, stories_pp2.engine.executor
-    procs = list(ex._workers.procs)
-    engine.add_request(LONG[0], GREEDY)
-    engine.step()
-    os.kill(procs[0].pid, signal.SIGKILL)
-    with pytest.raises(WorkerError, match="rank 0"):  # not a hang: the module's timeout bounds it
-        while engine.has_unfinished():
-            engine.step()
-    stories_pp2.close()
-    assert all(not p.is_alive() for p in procs)
+    kill_rank_raises_and_close_reaps(stories_pp2, 0)
 
 
 def test_tp2_pp2_matches_one_process_with_swaps():

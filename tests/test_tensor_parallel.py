@@ -197,20 +197,26 @@ def test_architectures_match_one_rank_with_swaps(kind, tiny_checkpoints, tmp_pat
         _assert_all_free(llm.engine.scheduler)
 
 
-def test_killed_worker_raises_and_close_reaps(stories_tp2):
-    # Last in this module: it breaks the shared engine.
-    engine, ex = stories_tp2.engine, stories_tp2.engine.executor
+def kill_rank_raises_and_close_reaps(llm: LLM, rank: int) -> None:
+    """Kill worker `rank` mid-generation: the engine raises WorkerError naming it (not a hang:
+    the module's timeout bounds it), again on the next step, and close reaps every worker."""
+    engine, ex = llm.engine, llm.engine.executor
     procs = list(ex._workers.procs)
     engine.add_request(LONG[0], GREEDY)
     engine.step()
-    os.kill(procs[1].pid, signal.SIGKILL)
-    with pytest.raises(WorkerError, match="rank 1"):  # not a hang: the module's timeout bounds it
+    os.kill(procs[rank].pid, signal.SIGKILL)
+    with pytest.raises(WorkerError, match=f"rank {rank}"):
         while engine.has_unfinished():
             engine.step()
     with pytest.raises(WorkerError):
         engine.step()
-    stories_tp2.close()
+    llm.close()
     assert all(not p.is_alive() for p in procs)
+
+
+def test_killed_worker_raises_and_close_reaps(stories_tp2):
+    # Last in this module: it breaks the shared engine.
+    kill_rank_raises_and_close_reaps(stories_tp2, 1)
 
 
 def test_workers_leave_when_the_engine_process_dies():
