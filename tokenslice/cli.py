@@ -100,6 +100,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "(FastSwitch); off: one copy per block as vLLM")
     add_field_flag(p, ParallelConfig, "tensor_parallel_size", "-tp",
                    help="split the model over this many ranks (Megatron-style tensor parallelism)")
+    add_field_flag(p, ParallelConfig, "pipeline_parallel_size", "-pp",
+                   help="split the layers into this many stages, each of tensor-parallel-size ranks, with as "
+                        "many batches in flight (FastServe pipeline parallelism)")
     flag(ParallelConfig, "executor", help="where the model runs: mp = one worker process per rank "
                                           "(auto: mp with several ranks, else in this process)")
     flag(SchedulerConfig, "policy", choices=list(POLICY_NAMES))

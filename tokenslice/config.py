@@ -17,7 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # model weights and device 
 OFFLOAD_DTYPES = ("auto", "int8")  # host KV: as on device, or per-channel int8 (ALISE §3.2)
 EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
 # Where the model runs: auto (uni for one rank, mp for several), uni (in the engine's process),
-# mp (one worker process per tensor-parallel rank, exec/multiproc.py).
+# mp (one worker process per rank, tensor- and pipeline-parallel, exec/multiproc.py).
 EXECUTORS = ("auto", "uni", "mp")
 
 
@@ -196,16 +196,22 @@ class ParallelConfig:
 
     def validate(self) -> None:
         _check_choice("executor", self.executor, EXECUTORS)
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.executor == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError(f"executor uni runs one rank; tensor_parallel_size {self.tensor_parallel_size} "
-                             "needs executor mp (or auto)")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.executor == "uni" and self.world_size > 1:
+            raise ValueError(f"executor uni runs one rank; tensor_parallel_size {self.tensor_parallel_size} x "
+                             f"pipeline_parallel_size {self.pipeline_parallel_size} needs executor mp (or auto)")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: each pipeline stage is a tensor-parallel group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def multiproc(self) -> bool:
         """Whether the model runs in worker processes (executor mp, or auto with several ranks)."""
-        return self.executor == "mp" or (self.executor == "auto" and self.tensor_parallel_size > 1)
+        return self.executor == "mp" or (self.executor == "auto" and self.world_size > 1)
 
 
 @dataclass

@@ -79,16 +79,19 @@ class _ModelSide:
 
         if config.parallel.multiproc:
             from tokenslice.exec.multiproc import MultiprocExecutor
+            from tokenslice.model.pp import PPStage
             from tokenslice.model.tp import TPShard
 
+            par = config.parallel
             arch = load_arch(config.model)
-            TPShard(arch, 0, config.parallel.tensor_parallel_size)  # refuses a size the heads do not fit
+            TPShard(arch, 0, par.tensor_parallel_size)  # refuses a size the heads do not fit
+            PPStage.of(arch, 0, par.pipeline_parallel_size)  # ... or more stages than layers
             limit = arch.max_position_embeddings
             max_len = min(config.model.max_model_len or limit, limit)
             tokenizer = model_tokenizer(config.model, arch)
-            mp = MultiprocExecutor(config.model, config.cache, config.parallel.tensor_parallel_size,
+            mp = MultiprocExecutor(config.model, config.cache, par.tensor_parallel_size,
                                    max_model_len=max_len, max_batch_size=config.scheduler.max_batch_size,
-                                   host_tier=swapping)
+                                   host_tier=swapping, pp_size=par.pipeline_parallel_size)
             return _ModelSide(mp, arch, tokenizer, str(Path(config.model.model)), max_len, mp.num_blocks,
                               mp.num_host_blocks, mp.host_block_bytes)
         from tokenslice.exec.local import LocalExecutor
@@ -186,9 +189,9 @@ class Engine:
             if swapping and host_blocks == 0:
                 log.warning("preemption %s without host KV space (--swap-space-gb 0): every eviction recomputes",
                             config.scheduler.preemption)
-            log.info("model %s (%s, tensor-parallel size %d): %d KV blocks of %d tokens, %d host blocks",
-                     side.name, side.arch.architecture, config.parallel.tensor_parallel_size, blocks,
-                     config.cache.block_size, host_blocks)
+            log.info("model %s (%s, tensor-parallel size %d, %d pipeline stages): %d KV blocks of %d tokens, "
+                     "%d host blocks", side.name, side.arch.architecture, config.parallel.tensor_parallel_size,
+                     config.parallel.pipeline_parallel_size, blocks, config.cache.block_size, host_blocks)
             # Block groups (FastSwitch §3.1) so a swap is a few large copies.
             kv = KVManager(config.cache.block_size, blocks, host_blocks,
                            contiguous=swapping and config.cache.block_groups,
@@ -201,7 +204,7 @@ class Engine:
             eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
             engine = cls(scheduler, side.executor, tokenizer=side.tokenizer, clock=RealClock(),
                          max_model_len=side.max_len, vocab_size=side.arch.vocab_size, eos_token_ids=eos_ids,
-                         model_name=side.name)
+                         model_name=side.name, max_in_flight=config.parallel.pipeline_parallel_size)
             if config.step_trace:
                 engine.step_trace = StepTraceWriter(config.step_trace)
             if side.runner is not None:  # the model in this process (tests and benchmarks read it)
@@ -439,10 +442,14 @@ class Engine:
         t2 = time.perf_counter()
         self.num_steps += 1
         now = self.clock.now()
+        # A request aborted while its plan was in flight (pipeline stages) gets no output: drop
+        # its late logprobs rather than keep them forever.
+        live = {rid for rid in (*result.logprobs, *result.prompt_logprobs) if rid in self.scheduler.requests}
         produced = self.scheduler.update(plan, result, now)
         for pending, new in ((self._logprobs, result.logprobs), (self._prompt_logprobs, result.prompt_logprobs)):
             for rid, lp in new.items():
-                pending.setdefault(rid, TokenLogprobs()).extend(lp)
+                if rid in live:
+                    pending.setdefault(rid, TokenLogprobs()).extend(lp)
         if self._detok:
             for req in produced:
                 det = self._detok.get(req.request_id)

@@ -28,6 +28,7 @@ from tokenslice.model.attention import build_metadata
 from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quantize_blocks, quantized_block_bytes
 from tokenslice.model.loader import LoadedModel
 from tokenslice.model.logprobs import prompt_logprobs, token_logprobs
+from tokenslice.model.pp import StagePipe
 from tokenslice.model.sampler import Sampler
 from tokenslice.model.transfer import TransferEngine
 from tokenslice.plan import BlockTransfer, Direction, StepPlan, StepResult, copy_runs
@@ -77,7 +78,8 @@ def num_host_kv_blocks(cache: CacheConfig, loaded: LoadedModel, ranks: int = 1) 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
-                 num_host_blocks: int = 0, offload_dtype: str = "auto", transfer_threads: int = 2) -> None:
+                 num_host_blocks: int = 0, offload_dtype: str = "auto", transfer_threads: int = 2,
+                 pipe: StagePipe | None = None) -> None:
         if offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"offload_dtype must be one of {', '.join(OFFLOAD_DTYPES)}, got {offload_dtype!r}")
         if num_host_blocks < 0:
@@ -113,6 +115,9 @@ class ModelRunner:
         # How long an empty step waits for an async transfer before returning to the engine.
         self.idle_wait_s = 0.05
         self.sampler = Sampler(self.device, seed)
+        # A pipeline stage (model/pp.py): hidden states come from the previous stage and go on to
+        # the next; only the last stage computes logits and samples.
+        self.pipe = pipe
         self.prep_seconds = 0.0  # summed time turning plans into tensors (overhead accounting)
         # The data plane's own record of what it copied (sync and async), for its tests and the
         # bandwidth benchmark: tensor copy calls issued (per run, per host tensor, per layer row on
@@ -141,8 +146,11 @@ class ModelRunner:
         if plan.async_transfers:
             self._start_async(plan.async_transfers)
         result = StepResult(transfer_seconds=transfer_seconds)
+        waited = self.pipe.wait_seconds if self.pipe is not None else 0.0
         if not plan.is_empty:
             self._compute(plan, result)
+        if self.pipe is not None:
+            result.wait_seconds = self.pipe.wait_seconds - waited
         done: list[str] = []
         if self._engine is not None:
             done = self._engine.poll()
@@ -163,7 +171,12 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         meta = build_metadata(plan.decode, plan.prefill, self.block_size, self.device)
         self.prep_seconds += time.perf_counter() - t0
-        hidden = self.model(input_ids, meta, self.kv)
+        pipe = self.pipe
+        before = pipe.recv(plan.num_tokens) if pipe is not None and not pipe.stage.is_first else None
+        hidden = self.model(input_ids, meta, self.kv, before)
+        if pipe is not None and not pipe.stage.is_last:
+            pipe.send(hidden)
+            return
         # Logits only for the last token of each slice that samples.
         last, sampling = [], []
         end = 0
