@@ -80,7 +80,7 @@ def num_host_kv_blocks(cache: CacheConfig, loaded: LoadedModel, ranks: int = 1) 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
                  num_host_blocks: int = 0, offload_dtype: str = "auto", transfer_threads: int = 2,
-                 persistent_batch: bool = True, compile: bool = False, cuda_graphs: bool = True,
+                 persistent_batch: bool = True, compile: bool = False, cuda_graphs: bool = False,
                  max_batch_size: int = 64, max_model_len: int = 2048) -> None:
         if offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"offload_dtype must be one of {', '.join(OFFLOAD_DTYPES)}, got {offload_dtype!r}")
