@@ -87,6 +87,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(ModelConfig, "device")
     flag(ModelConfig, "max_model_len", help="longest prompt + output (default: the checkpoint's context)")
     flag(ModelConfig, "seed", help="random seed (generate: the sampling seed)")
+    flag(ModelConfig, "persistent_batch", action=argparse.BooleanOptionalAction,
+         help="keep decode block tables between steps, updating what changed (on by default); "
+              "off: rebuild them every step")
+    flag(ModelConfig, "compile", help="CPU: run decode steps compiled by torch.compile (inductor; "
+                                      "compiles on the first decode step)")
+    flag(ModelConfig, "cuda_graphs", action=argparse.BooleanOptionalAction,
+         help="CUDA: replay decode steps from CUDA graphs captured at start-up (on by default)")
     flag(CacheConfig, "block_size")
     flag(CacheConfig, "kv_cache_blocks", help="device KV blocks (overrides --kv-memory-fraction)")
     flag(CacheConfig, "kv_memory_fraction", help="share of free device memory (on CPU: of available RAM) for KV")

@@ -66,6 +66,14 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda (or cuda:N)
     max_model_len: int | None = None  # defaults to the checkpoint's context length
     seed: int = 0  # for requests that sample without a seed of their own
+    # Keep the decode rows' block tables between steps and update what changed (vLLM v1's
+    # persistent batch, model/input_batch.py); off: rebuild them from every plan (the reference).
+    persistent_batch: bool = True
+    # Decode-only steps as compiled code (model/compiled_decode.py). CPU: torch.compile (inductor),
+    # off by default: seconds of compilation on the first decode step. CUDA: graphs per batch and
+    # context bucket, captured at start-up; cuda_graphs has no effect on CPU, compile none on CUDA.
+    compile: bool = False
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)

@@ -160,7 +160,12 @@ def _serve(spec: WorkerSpec, plans: zmq.Socket, results: zmq.Socket, rank: bytes
                 sizes = msgspec.msgpack.decode(body, type=Sizes)
                 runner = ModelRunner(loaded, sizes.kv_blocks, spec.cache.block_size, spec.model.seed,
                                      num_host_blocks=sizes.host_blocks, offload_dtype=spec.cache.offload_dtype,
-                                     pipe=pipe)
+                                     pipe=pipe, persistent_batch=spec.model.persistent_batch,
+                                     # Ranks run decode eager: collectives inside compiled code and
+                                     # graphs are untested here.
+                                     compile=spec.model.compile and spec.size == 1,
+                                     cuda_graphs=spec.model.cuda_graphs and spec.size == 1,
+                                     max_batch_size=spec.max_batch_size, max_model_len=spec.max_model_len)
                 results.send_multipart([rank, RESULT, encode(StepResult())])
                 continue
             if runner is None:
