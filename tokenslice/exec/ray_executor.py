@@ -1,5 +1,6 @@
-"""RayExecutor: the tensor-parallel ranks as Ray actors, on one node or several (FastServe §4.3:
-Ray actors as GPU workers, tensor parallelism inside a node, pipeline stages across nodes).
+"""RayExecutor: the ranks (tensor-parallel inside each pipeline stage) as Ray actors, on one
+node or several (FastServe §4.3: Ray actors as GPU workers, tensor parallelism inside a node,
+pipeline stages across nodes).
 
 Ray does placement, start-up, plan delivery and failure detection; the tensors go through
 torch.distributed between the actors (gloo on CPU, NCCL on CUDA), rendezvous at rank 0's node
@@ -11,8 +12,8 @@ it. A sync actor runs its calls in submission order, so several plans may be in 
 
 Placement: one placement group per pipeline stage, STRICT_PACK, one bundle per rank ({GPU: 1}
 on CUDA, {CPU: 1} otherwise), so a stage's ranks share a node (NVLink for the all-reduces)
-and stages go wherever the cluster has room. The executor runs one stage until pipeline
-parallelism gives ranks a stage; `_stages` already places them.
+and stages go wherever the cluster has room; activations cross between stages through
+torch.distributed point-to-point (model/pp.py).
 
 Failure: every wait polls with a timeout; a dead actor or node (RayActorError, NodeDiedError)
 or a rank's exception raises WorkerError naming the rank, the surviving actors are killed (they
@@ -83,36 +84,39 @@ class RankActor:
 
 
 class RayExecutor:
-    """`tp_size` Ray actors; results come back from `poll` in submission order."""
+    """`tp_size` x `pp_size` Ray actors; results come back from `poll` in submission order. With
+    pipeline stages several plans are in flight, each stage on a different one (FastServe §4.3);
+    `stage_busy_s` / `stage_wait_s` as in exec/merge.py."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, tp_size: int, *, max_model_len: int,
-                 max_batch_size: int, host_tier: bool, address: str | None = None,
+                 max_batch_size: int, host_tier: bool, pp_size: int = 1, address: str | None = None,
                  poll_interval_s: float = 0.2, placement_timeout_s: float = 120.0,
                  stop_timeout_s: float = 10.0) -> None:
-        self.size = tp_size
+        self.size = tp_size * pp_size
+        self.tp_size, self.pp_size = tp_size, pp_size
         self.poll_interval_s = poll_interval_s
         self.stop_timeout_s = stop_timeout_s
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_result = msgspec.msgpack.Decoder(StepResult).decode
-        self._merger = RankMerger(tp_size)
+        self._merger = RankMerger(tp_size, pp_size)
         self._in_flight: deque[list[ray.ObjectRef]] = deque()
         self._broken: str | None = None
         self._closed = False
         self.actors: list[Any] = []  # Ray actor handles, by rank
         self._groups: list[PlacementGroup] = []
-        self._owns_ray = _connect(address, tp_size)
+        self._owns_ray = _connect(address, self.size)
         try:
             gpu = _uses_gpu(model)
-            self._groups = _place([tp_size], gpu, placement_timeout_s)
+            self._groups = _place([tp_size] * pp_size, gpu, placement_timeout_s)
             self.actors = _start_actors(self._groups, gpu)
             init_method = self._gather([self.actors[0].rendezvous_address.remote()])[0]
-            threads = max(1, torch.get_num_threads() // tp_size)  # one node's cores shared by its ranks
-            specs = [RankSpec(model, cache, rank, tp_size, max_model_len, max_batch_size, host_tier,
-                              init_method, threads, gpu=0)  # Ray shows an actor its own GPU only
-                     for rank in range(tp_size)]
+            threads = max(1, torch.get_num_threads() // self.size)  # one node's cores shared by its ranks
+            specs = [RankSpec(model, cache, rank, self.size, max_model_len, max_batch_size, host_tier,
+                              init_method, threads, gpu=0, pp_size=pp_size)  # Ray shows an actor its own GPU only
+                     for rank in range(self.size)]
             caps = [msgspec.msgpack.decode(b, type=Capacity)
                     for b in self._gather([a.start.remote(s) for a, s in zip(self.actors, specs)])]
-            # Every rank holds the same blocks (only heads differ), as many as the smallest can.
+            # Every rank holds the same blocks (only heads and layers differ), as many as the smallest can.
             self.num_blocks = min(c.kv_blocks for c in caps)
             self.num_host_blocks = min(c.host_blocks for c in caps)
             # The whole model's block, summed over partitions: swap statistics compare with one rank.
@@ -140,6 +144,14 @@ class RayExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         self.submit(plan)
         return self.poll()
+
+    @property
+    def stage_busy_s(self) -> list[float]:
+        return self._merger.stage_busy_s
+
+    @property
+    def stage_wait_s(self) -> list[float]:
+        return self._merger.stage_wait_s
 
     def worker_pids(self) -> list[int]:
         """Each rank's actor process id (on its node)."""

@@ -1,12 +1,19 @@
-"""One tensor-parallel rank: `RankWorker` holds its share of the model (model/tp.py), its KV
-partition on both tiers, and runs every StepPlan it receives; `worker_main` is the process that
-exec/multiproc.py starts around it (exec/ray_executor.py runs the same RankWorker in a Ray actor).
+"""One rank: `RankWorker` holds its share of the model (model/tp.py; with pipeline parallelism
+its stage's layers, model/pp.py), its KV partition on both tiers, and runs every StepPlan it
+receives; `worker_main` is the process that exec/multiproc.py starts around it
+(exec/ray_executor.py runs the same RankWorker in a Ray actor).
 
 Messages are ZMQ multipart frames [kind, body] with msgspec bodies. StepPlan and StepResult are
 encoded as the dataclasses they are, every field included, so fields added to them (or to
 SeqSlice, BlockTransfer, SamplingParams) travel without change here. Each rank runs the whole
 plan on its own partition: compute, sync swaps and async transfers alike (FastServe §4.3), and
-answers with its StepResult; the executor merges them.
+answers with its StepResult; the executor merges them (exec/merge.py).
+
+Pipeline stages (FastServe Fig. 10): every rank gets every plan, in submission order, and takes
+plans up one at a time; a stage runs the plan's swaps for its own layers' KV as it takes the
+plan up, before its activations arrive from the previous stage, so the swaps overlap the
+upstream compute of the same batch. Ranks are stage-major (model/pp.py); the last stage's
+tensor-parallel rank 0 answers with the sampled tokens.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import signal
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -22,6 +30,10 @@ import zmq
 
 from tokenslice.config import CacheConfig, ModelConfig
 from tokenslice.plan import StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from tokenslice.model.loader import LoadedModel
+    from tokenslice.model.pp import StagePipe
 
 # Engine -> worker
 INIT = b"init"  # Sizes: build the runner
@@ -58,13 +70,23 @@ class RankSpec:
     model: ModelConfig
     cache: CacheConfig
     rank: int
-    size: int
+    size: int  # the world: tensor-parallel size x pp_size
     max_model_len: int
     max_batch_size: int
     host_tier: bool  # the preemption mode swaps: allocate the host tier
     init_method: str  # torch.distributed rendezvous
     threads: int  # torch intra-op threads (CPU)
     gpu: int  # CUDA device index in this process (its rank, or 0 where Ray shows one GPU)
+    pp_size: int = 1  # pipeline stages
+
+    @property
+    def tp_size(self) -> int:
+        return self.size // self.pp_size
+
+    @property
+    def answer_rank(self) -> int:
+        """The rank whose sampled tokens are the answer: the last stage's first."""
+        return self.size - self.tp_size
 
 
 @dataclass
@@ -78,13 +100,13 @@ class WorkerSpec:
 
 
 class RankWorker:
-    """One rank, apart from how plans reach it: joins the process group, loads its shard and
-    reports its `capacity`; `init_kv` builds the runner with the agreed sizes."""
+    """One rank, apart from how plans reach it: joins the process group, loads its shard (and
+    stage) and reports its `capacity`; `init_kv` builds the runner with the agreed sizes."""
 
     def __init__(self, spec: RankSpec) -> None:
         import torch.distributed as dist
 
-        from tokenslice.model.loader import load_model, rank_device
+        from tokenslice.model.loader import rank_device
         from tokenslice.model.runner import host_block_bytes, num_host_kv_blocks, num_kv_blocks
 
         self.spec = spec
@@ -97,7 +119,7 @@ class RankWorker:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=spec.init_method,
                                 rank=spec.rank, world_size=spec.size)
         try:
-            self.loaded = load_model(spec.model, spec.rank, spec.size, with_tokenizer=False, gpu=spec.gpu)
+            self.loaded, self.pipe = _load_stage(spec)
             # On CPU every rank's KV partition shares the one memory; on CUDA each has its GPU.
             sharing = spec.size if self.loaded.device.type == "cpu" else 1
             self.capacity = Capacity(
@@ -114,14 +136,20 @@ class RankWorker:
 
         spec = self.spec
         self.runner = ModelRunner(self.loaded, sizes.kv_blocks, spec.cache.block_size, spec.model.seed,
-                                  num_host_blocks=sizes.host_blocks, offload_dtype=spec.cache.offload_dtype)
+                                  num_host_blocks=sizes.host_blocks, offload_dtype=spec.cache.offload_dtype,
+                                  pipe=self.pipe, persistent_batch=spec.model.persistent_batch,
+                                  # Ranks run decode eager: collectives inside compiled code and
+                                  # graphs are untested here.
+                                  compile=spec.model.compile and spec.size == 1,
+                                  cuda_graphs=spec.model.cuda_graphs and spec.size == 1,
+                                  max_batch_size=spec.max_batch_size, max_model_len=spec.max_model_len)
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.runner is None:
             raise RuntimeError(f"rank {self.spec.rank}: a plan arrived before the KV sizes")
         result = self.runner.execute(plan)
-        if self.spec.rank != 0:
-            result.sampled = {}  # every rank samples the same tokens; rank 0's are the answer
+        if self.spec.rank != self.spec.answer_rank:
+            result.sampled = {}  # the last stage's ranks sample the same tokens; one answers
         return result
 
     def close(self) -> None:
@@ -187,3 +215,26 @@ def _serve(spec: WorkerSpec, plans: zmq.Socket, results: zmq.Socket, rank: bytes
             results.send_multipart([rank, RESULT, encode(worker.execute(decode_plan(body)))])
     finally:
         worker.close()
+
+
+def _load_stage(spec: RankSpec) -> tuple[LoadedModel, StagePipe | None]:
+    """This rank's model and, with pipeline stages, its StagePipe. Every rank
+    creates every stage's tensor-parallel group, in the same order (torch.distributed asks it)."""
+    import torch.distributed as dist
+
+    from tokenslice.model.loader import load_arch, load_model
+    from tokenslice.model.pp import PPStage, StagePipe
+
+    tp = spec.tp_size
+    if spec.pp_size == 1:
+        return load_model(spec.model, spec.rank, tp, with_tokenizer=False, gpu=spec.gpu), None
+    index, tp_rank = divmod(spec.rank, tp)
+    group = None
+    if tp > 1:
+        for s in range(spec.pp_size):
+            g = dist.new_group(list(range(s * tp, (s + 1) * tp)))
+            group = g if s == index else group
+    stage = PPStage.of(load_arch(spec.model), index, spec.pp_size)
+    loaded = load_model(spec.model, tp_rank, tp, with_tokenizer=False, stage=stage, group=group, gpu=spec.gpu)
+    pipe = StagePipe(stage, spec.rank, tp, loaded.arch.hidden_size, loaded.dtype, loaded.device)
+    return loaded, pipe
