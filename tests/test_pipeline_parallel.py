@@ -12,25 +12,13 @@ from test_tensor_parallel import (PRESSURE, _assert_all_free, _assert_mode_acted
 from tokenslice import LLM, SamplingParams
 from tokenslice.cli import build_parser, engine_config_from_args
 from tokenslice.config import PREEMPTION_MODES, EngineConfig, ModelConfig
-from tokenslice.engine.engine import Engine
 from tokenslice.exec.multiproc import MultiprocExecutor
 from tokenslice.model.arch import ModelLoadError
 from tokenslice.model.loader import load_arch, load_model
 from tokenslice.model.pp import PPStage
+from waves import count_in_flight
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _count_in_flight(engine: Engine) -> list[int]:
-    """Record how many plans are in flight at each submit."""
-    seen: list[int] = []
-    submit = engine.executor.submit
-
-    def counted(plan):
-        submit(plan)
-        seen.append(len(engine._pipe) + 1)
-    engine.executor.submit = counted  # type: ignore[method-assign]
-    return seen
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +66,7 @@ def test_stories_every_memory_mode_matches_one_process(stories_pp2, preemption):
     want, one = _one_rank(str(STORIES), preemption=preemption)
     engine = stories_pp2.engine
     _reschedule(engine, preemption)
-    in_flight = _count_in_flight(engine)
+    in_flight = count_in_flight(engine)
     assert _run_waves(engine) == want
     assert max(in_flight) == 2  # two batches were in the pipe at once
     _assert_mode_acted(engine.scheduler.stats, preemption)

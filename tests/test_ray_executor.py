@@ -1,8 +1,9 @@
 """The Ray executor (--executor ray) on one node: a `ray start --head` cluster on 127.0.0.1,
-started once for the module and always stopped. -tp 2 over Ray actors generates what one
-process generates, in fp32, with swaps; `serve --executor ray --ray-address` answers over HTTP
-and survives a client that leaves mid-stream; a killed actor fails the engine fast (WorkerError
-in process; over HTTP an error for the requests in flight and /health 503), never a hang."""
+started once for the module and always stopped. -tp 2, -pp 2 and -tp 2 -pp 2 over Ray actors
+generate what one process generates, in fp32, with swaps (two batches in flight with stages);
+`serve --executor ray --ray-address` answers over HTTP and survives a client that leaves
+mid-stream; a killed actor fails the engine fast (WorkerError in process; over HTTP an error for
+the requests in flight and /health 503), never a hang."""
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ from tokenslice.cli import build_parser, engine_config_from_args
 from tokenslice.config import EngineConfig
 from tokenslice.exec.base import WorkerError
 from tokenslice.exec.ray_executor import RayExecutor
-from waves import GREEDY, LONG, PRESSURE, check_plans_in_flight_come_back_in_order, run_waves
+from waves import GREEDY, LONG, PRESSURE, check_plans_in_flight_come_back_in_order, count_in_flight, run_waves
 
 pytestmark = pytest.mark.timeout(300)  # bounds every wait below: a hang fails, it never blocks CI
 
@@ -151,6 +152,24 @@ def test_killed_actor_raises_and_close_cleans_up(ray_tp2, ray_head):
     ray_tp2.close()
     assert not ray.is_initialized()  # the executor joined the cluster, and left it
     until(lambda: not (_rank_actor_pids(ray_head[1]) & set(pids)), timeout=60)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_pipeline_stages_match_one_process_with_swaps(ray_head, one_rank, tp):
+    # After the -tp 2 engine has closed: -tp 2 -pp 2 takes the head's 4 CPUs, one per actor.
+    with LLM(str(STORIES), tensor_parallel_size=tp, pipeline_parallel_size=2, executor="ray",
+             ray_address=ray_head[0], **SWAPS) as llm:
+        engine, ex = llm.engine, llm.engine.executor
+        assert isinstance(ex, RayExecutor) and ex.size == 2 * tp and engine.max_in_flight == 2
+        in_flight = count_in_flight(engine)
+        assert run_waves(engine) == one_rank
+        assert max(in_flight) == 2  # two batches were in the pipe at once
+        stats = engine.scheduler.stats
+        assert stats.preemptions > 0 and stats.swap_out_bytes > 0 and stats.swap_in_bytes == stats.swap_out_bytes
+        kv = engine.scheduler.kv
+        kv.check()
+        assert kv.device.num_free == kv.device.num_blocks and kv.num_in_flight == 0
+        assert all(s > 0 for s in ex.stage_busy_s) and all(w >= 0 for w in ex.stage_wait_s)
 
 
 def test_serve_over_ray_cluster(ray_head, caplog):

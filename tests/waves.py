@@ -1,6 +1,6 @@
 """The workload the rank-worker executors are checked with (tests/test_tensor_parallel.py,
-tests/test_ray_executor.py): memory binds, so residents are preempted and swapped, and a
-greedy run must give what one process gives."""
+tests/test_pipeline_parallel.py, tests/test_ray_executor.py): memory binds, so residents are
+preempted and swapped, and a greedy run must give what one process gives."""
 from __future__ import annotations
 
 import random
@@ -39,3 +39,15 @@ def check_plans_in_flight_come_back_in_order(executor) -> None:
     results = [executor.poll(), executor.poll()]
     assert [list(r.sampled) for r in results] == [["raw-0"], ["raw-1"]]
     executor.execute(StepPlan(finished=["raw-0", "raw-1"]))
+
+
+def count_in_flight(engine: Engine) -> list[int]:
+    """Record how many plans are in flight at each submit."""
+    seen: list[int] = []
+    submit = engine.executor.submit
+
+    def counted(plan):
+        submit(plan)
+        seen.append(len(engine._pipe) + 1)
+    engine.executor.submit = counted  # type: ignore[method-assign]
+    return seen

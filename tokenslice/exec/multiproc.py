@@ -92,6 +92,8 @@ class MultiprocExecutor:
         self._in_flight = 0
         self._broken: str | None = None
         self._merger = RankMerger(tp_size, pp_size)
+        # Per-stage work and waits over all plans, summed by the merger (exec/merge.py).
+        self.stage_busy_s, self.stage_wait_s = self._merger.stage_busy_s, self._merger.stage_wait_s
         w = self._workers = _Workers()
         self._finalizer = multiprocessing.util.Finalize(self, w.close, exitpriority=10)
         self._results = w.results = w.ctx.socket(zmq.PULL)
@@ -140,14 +142,6 @@ class MultiprocExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         self.submit(plan)
         return self.poll()
-
-    @property
-    def stage_busy_s(self) -> list[float]:
-        return self._merger.stage_busy_s
-
-    @property
-    def stage_wait_s(self) -> list[float]:
-        return self._merger.stage_wait_s
 
     def close(self) -> None:
         """Stop and reap every worker. Idempotent."""

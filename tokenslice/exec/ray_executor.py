@@ -99,6 +99,8 @@ class RayExecutor:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_result = msgspec.msgpack.Decoder(StepResult).decode
         self._merger = RankMerger(tp_size, pp_size)
+        # Per-stage work and waits over all plans, summed by the merger (exec/merge.py).
+        self.stage_busy_s, self.stage_wait_s = self._merger.stage_busy_s, self._merger.stage_wait_s
         self._in_flight: deque[list[ray.ObjectRef]] = deque()
         self._broken: str | None = None
         self._closed = False
@@ -144,14 +146,6 @@ class RayExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         self.submit(plan)
         return self.poll()
-
-    @property
-    def stage_busy_s(self) -> list[float]:
-        return self._merger.stage_busy_s
-
-    @property
-    def stage_wait_s(self) -> list[float]:
-        return self._merger.stage_wait_s
 
     def worker_pids(self) -> list[int]:
         """Each rank's actor process id (on its node)."""
