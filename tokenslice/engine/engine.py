@@ -423,6 +423,7 @@ class Engine:
         plan = self._pipe.popleft()
         if result.done_at is not None:
             self.clock.advance_to(result.done_at)
+        self.clock.advance(self._loop_seconds(len(result.sampled)))  # the driver's own time, between batches
         return self._apply(plan, result, t0, t1, counts)
 
     def _apply(self, plan: StepPlan, result: StepResult, t0: float, t1: float, counts: tuple[int, int, int]
