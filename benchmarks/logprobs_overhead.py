@@ -34,10 +34,11 @@ def decode_step_s(llm: LLM, batch: int, logprobs: int | None) -> float:
     return decode_step_seconds(llm.engine, batch, sp)
 
 
-def decode_step_seconds(eng: Any, batch: int, sp: Any) -> float:
-    """Mean wall seconds of the decode-only steps of `batch` prompts run to completion on `eng`
-    (an Engine; also used by decode_step_versions.py on older checkouts, so nothing newer)."""
-    for p in prompts(batch).tolist():
+def decode_step_seconds(eng: Any, batch: int, sp: Any, prompt_ids: list[list[int]] | None = None) -> float:
+    """Mean wall seconds of the decode-only steps of `batch` prompts (`prompt_ids`, else this
+    benchmark's) run to completion on `eng` (an Engine; also used by decode_step_versions.py on
+    older checkouts, so nothing newer)."""
+    for p in prompt_ids if prompt_ids is not None else prompts(batch).tolist():
         eng.add_request(p, sp)
     total, steps = 0.0, 0
     while eng.has_unfinished():

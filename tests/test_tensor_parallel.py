@@ -34,6 +34,7 @@ from tokenslice.predict.cost import load_cost_model
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler
+from tokenslice.sched.stats import SchedulerStats
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -72,6 +73,16 @@ def _reschedule(engine: Engine, preemption: str) -> None:
     ctx = PolicyContext(cfg)
     engine.scheduler = Scheduler(cfg, make_policy(cfg.policy, ctx), kv, ctx,
                                  swap_block_bytes=old.preemption.swap_block_bytes)
+
+
+def _assert_mode_acted(stats: SchedulerStats, preemption: str) -> None:
+    """The memory mode really preempted, recomputed or swapped (every swap-out came back)."""
+    if preemption != "defer":
+        assert stats.preemptions > 0
+    if preemption == "recompute":
+        assert stats.recomputed_tokens > 0
+    if PREEMPTION_STRATEGIES[preemption].uses_host_tier:
+        assert stats.swap_out_bytes > 0 and stats.swap_in_bytes == stats.swap_out_bytes
 
 
 def _assert_all_free(sched: Scheduler) -> None:
@@ -129,12 +140,7 @@ def test_stories_every_memory_mode_matches_one_rank(stories_tp2, preemption):
     _reschedule(engine, preemption)
     assert _run_waves(engine) == want
     stats, one_stats = engine.scheduler.stats, one.stats
-    if preemption != "defer":
-        assert stats.preemptions > 0
-    if preemption == "recompute":
-        assert stats.recomputed_tokens > 0
-    if PREEMPTION_STRATEGIES[preemption].uses_host_tier:
-        assert stats.swap_out_bytes > 0 and stats.swap_in_bytes == stats.swap_out_bytes
+    _assert_mode_acted(stats, preemption)
     if preemption != "proactive-swap":  # no background copies: the same schedule, step for step
         assert (stats.preemptions, stats.recomputed_tokens, stats.swap_out_bytes, stats.swap_ops) == (
             one_stats.preemptions, one_stats.recomputed_tokens, one_stats.swap_out_bytes, one_stats.swap_ops)
@@ -191,20 +197,26 @@ def test_architectures_match_one_rank_with_swaps(kind, tiny_checkpoints, tmp_pat
         _assert_all_free(llm.engine.scheduler)
 
 
-def test_killed_worker_raises_and_close_reaps(stories_tp2):
-    # Last in this module: it breaks the shared engine.
-    engine, ex = stories_tp2.engine, stories_tp2.engine.executor
+def kill_rank_raises_and_close_reaps(llm: LLM, rank: int) -> None:
+    """Kill worker `rank` mid-generation: the engine raises WorkerError naming it (not a hang:
+    the module's timeout bounds it), again on the next step, and close reaps every worker."""
+    engine, ex = llm.engine, llm.engine.executor
     procs = list(ex._workers.procs)
     engine.add_request(LONG[0], GREEDY)
     engine.step()
-    os.kill(procs[1].pid, signal.SIGKILL)
-    with pytest.raises(WorkerError, match="rank 1"):  # not a hang: the module's timeout bounds it
+    os.kill(procs[rank].pid, signal.SIGKILL)
+    with pytest.raises(WorkerError, match=f"rank {rank}"):
         while engine.has_unfinished():
             engine.step()
     with pytest.raises(WorkerError):
         engine.step()
-    stories_tp2.close()
+    llm.close()
     assert all(not p.is_alive() for p in procs)
+
+
+def test_killed_worker_raises_and_close_reaps(stories_tp2):
+    # Last in this module: it breaks the shared engine.
+    kill_rank_raises_and_close_reaps(stories_tp2, 1)
 
 
 def test_workers_leave_when_the_engine_process_dies():

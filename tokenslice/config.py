@@ -17,7 +17,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")  # model weights and device 
 OFFLOAD_DTYPES = ("auto", "int8")  # host KV: as on device, or per-channel int8 (ALISE §3.2)
 EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
 # Where the model runs: auto (uni for one rank, mp for several), uni (in the engine's process),
-# mp (one worker process per tensor-parallel rank, exec/multiproc.py).
+# mp (one worker process per rank, tensor- and pipeline-parallel, exec/multiproc.py).
 EXECUTORS = ("auto", "uni", "mp")
 
 
@@ -66,6 +66,14 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda (or cuda:N)
     max_model_len: int | None = None  # defaults to the checkpoint's context length
     seed: int = 0  # for requests that sample without a seed of their own
+    # Keep the decode rows' block tables between steps and update what changed (vLLM v1's
+    # persistent batch, model/input_batch.py); off: rebuild them from every plan (the reference).
+    persistent_batch: bool = True
+    # Decode-only steps as compiled code (model/compiled_decode.py). CPU: torch.compile (inductor),
+    # off by default: seconds of compilation on the first decode step. CUDA: graphs per batch and
+    # context bucket, captured at start-up; cuda_graphs has no effect on CPU, compile none on CUDA.
+    compile: bool = False
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -196,16 +204,22 @@ class ParallelConfig:
 
     def validate(self) -> None:
         _check_choice("executor", self.executor, EXECUTORS)
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.executor == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError(f"executor uni runs one rank; tensor_parallel_size {self.tensor_parallel_size} "
-                             "needs executor mp (or auto)")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.executor == "uni" and self.world_size > 1:
+            raise ValueError(f"executor uni runs one rank; tensor_parallel_size {self.tensor_parallel_size} x "
+                             f"pipeline_parallel_size {self.pipeline_parallel_size} needs executor mp (or auto)")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: each pipeline stage is a tensor-parallel group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def multiproc(self) -> bool:
         """Whether the model runs in worker processes (executor mp, or auto with several ranks)."""
-        return self.executor == "mp" or (self.executor == "auto" and self.tensor_parallel_size > 1)
+        return self.executor == "mp" or (self.executor == "auto" and self.world_size > 1)
 
 
 @dataclass

@@ -114,6 +114,9 @@ class StepResult:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     step_seconds: float = 0.0  # the whole step, synchronous transfers and waiting included
     transfer_seconds: float = 0.0  # of step_seconds: synchronous swap copies (critical path)
+    # Of step_seconds: a pipeline stage blocked on its neighbours (activations not yet there, or
+    # not yet taken): a bubble, not work. The executor's merge leaves it out of step_seconds.
+    wait_seconds: float = 0.0
     # Async transfers (of this or earlier plans) that completed; an empty plan with transfers
     # in flight waits for at least one, so the engine never spins.
     transfers_done: list[str] = field(default_factory=list)

@@ -79,16 +79,19 @@ class _ModelSide:
 
         if config.parallel.multiproc:
             from tokenslice.exec.multiproc import MultiprocExecutor
+            from tokenslice.model.pp import PPStage
             from tokenslice.model.tp import TPShard
 
+            par = config.parallel
             arch = load_arch(config.model)
-            TPShard(arch, 0, config.parallel.tensor_parallel_size)  # refuses a size the heads do not fit
+            TPShard(arch, 0, par.tensor_parallel_size)  # refuses a size the heads do not fit
+            PPStage.of(arch, 0, par.pipeline_parallel_size)  # ... or more stages than layers
             limit = arch.max_position_embeddings
             max_len = min(config.model.max_model_len or limit, limit)
             tokenizer = model_tokenizer(config.model, arch)
-            mp = MultiprocExecutor(config.model, config.cache, config.parallel.tensor_parallel_size,
+            mp = MultiprocExecutor(config.model, config.cache, par.tensor_parallel_size,
                                    max_model_len=max_len, max_batch_size=config.scheduler.max_batch_size,
-                                   host_tier=swapping)
+                                   host_tier=swapping, pp_size=par.pipeline_parallel_size)
             return _ModelSide(mp, arch, tokenizer, str(Path(config.model.model)), max_len, mp.num_blocks,
                               mp.num_host_blocks, mp.host_block_bytes)
         from tokenslice.exec.local import LocalExecutor
@@ -101,7 +104,10 @@ class _ModelSide:
         blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
         host_blocks = num_host_kv_blocks(config.cache, loaded) if swapping else 0
         runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed,
-                             num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype)
+                             num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype,
+                             persistent_batch=config.model.persistent_batch, compile=config.model.compile,
+                             cuda_graphs=config.model.cuda_graphs, max_batch_size=config.scheduler.max_batch_size,
+                             max_model_len=max_len)
         return _ModelSide(LocalExecutor(runner), loaded.arch, loaded.tokenizer, loaded.name, max_len, blocks,
                           host_blocks, runner.host_block_bytes, runner)
 
@@ -172,6 +178,7 @@ class Engine:
         # Off in the engine-core process: the API server detokenizes and applies stop strings there.
         self.detokenize = True
         self.step_trace: StepTraceWriter | None = None  # --step-trace: one record per real step
+        self._step_began = 0.0  # simulator: virtual time the last executed step began (its trace start)
         self.max_in_flight = max_in_flight
         self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
 
@@ -185,9 +192,9 @@ class Engine:
             if swapping and host_blocks == 0:
                 log.warning("preemption %s without host KV space (--swap-space-gb 0): every eviction recomputes",
                             config.scheduler.preemption)
-            log.info("model %s (%s, tensor-parallel size %d): %d KV blocks of %d tokens, %d host blocks",
-                     side.name, side.arch.architecture, config.parallel.tensor_parallel_size, blocks,
-                     config.cache.block_size, host_blocks)
+            log.info("model %s (%s, tensor-parallel size %d, %d pipeline stages): %d KV blocks of %d tokens, "
+                     "%d host blocks", side.name, side.arch.architecture, config.parallel.tensor_parallel_size,
+                     config.parallel.pipeline_parallel_size, blocks, config.cache.block_size, host_blocks)
             # Block groups (FastSwitch §3.1) so a swap is a few large copies.
             kv = KVManager(config.cache.block_size, blocks, host_blocks,
                            contiguous=swapping and config.cache.block_groups,
@@ -200,7 +207,7 @@ class Engine:
             eos_ids = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
             engine = cls(scheduler, side.executor, tokenizer=side.tokenizer, clock=RealClock(),
                          max_model_len=side.max_len, vocab_size=side.arch.vocab_size, eos_token_ids=eos_ids,
-                         model_name=side.name)
+                         model_name=side.name, max_in_flight=config.parallel.pipeline_parallel_size)
             if config.step_trace:
                 engine.step_trace = StepTraceWriter(config.step_trace)
             if side.runner is not None:  # the model in this process (tests and benchmarks read it)
@@ -244,15 +251,18 @@ class Engine:
                   block_size: int = 16, max_model_len: int = 1 << 30, host_kv_blocks: int = 0,
                   offload_dtype: str = "auto",
                   enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-                  block_groups: bool = CacheConfig.block_groups, max_in_flight: int | None = None) -> Engine:
+                  block_groups: bool = CacheConfig.block_groups, max_in_flight: int | None = None,
+                  policy_cost: CostModel | None = None) -> Engine:
         """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
         iteration times (and swap copy times) from the cost model instead of a model. A cost
         model with pipeline stages (`:ppM`) gets the pipelined executor, `max_in_flight` batches
-        in the pipe (default one per stage)."""
+        in the pipe (default one per stage). `policy_cost` is the cost model the policies see
+        (default: `cost`), e.g. the profile a real server's policies were given, when the clock
+        runs on another one."""
         swapping = PREEMPTION_STRATEGIES[config.preemption].uses_host_tier
         kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0,
                        contiguous=swapping and block_groups, prefix_caching=enable_prefix_caching)
-        ctx = PolicyContext(config, cost)
+        ctx = PolicyContext(config, policy_cost or cost)
         policy = make_policy(config.policy, ctx)
         clock = VirtualClock()
         block_bytes = offload_block_bytes(block_size, cost.kv_bytes_per_token, offload_dtype)
@@ -390,6 +400,7 @@ class Engine:
                 self.timings.update_s += time.perf_counter() - t1
                 return ran, finished
         counts = self._trace_counts()
+        self._step_began = self.clock.now()
         result = self.executor.execute(plan)
         self.clock.advance(result.step_seconds + self._loop_seconds(len(result.sampled)))
         return self._apply(plan, result, t0, t1, counts)
@@ -421,6 +432,7 @@ class Engine:
                 return [], []
         result = ex.poll()
         plan = self._pipe.popleft()
+        self._step_began = self.clock.now()  # pipelined: when the loop began waiting for this batch
         if result.done_at is not None:
             self.clock.advance_to(result.done_at)
         self.clock.advance(self._loop_seconds(len(result.sampled)))  # the driver's own time, between batches
@@ -434,10 +446,14 @@ class Engine:
         t2 = time.perf_counter()
         self.num_steps += 1
         now = self.clock.now()
+        # A request aborted while its plan was in flight (pipeline stages) gets no output: drop
+        # its late logprobs rather than keep them forever.
+        live = {rid for rid in (*result.logprobs, *result.prompt_logprobs) if rid in self.scheduler.requests}
         produced = self.scheduler.update(plan, result, now)
         for pending, new in ((self._logprobs, result.logprobs), (self._prompt_logprobs, result.prompt_logprobs)):
             for rid, lp in new.items():
-                pending.setdefault(rid, TokenLogprobs()).extend(lp)
+                if rid in live:
+                    pending.setdefault(rid, TokenLogprobs()).extend(lp)
         if self._detok:
             for req in produced:
                 det = self._detok.get(req.request_id)
@@ -467,8 +483,9 @@ class Engine:
     def _trace_step(self, t0: float, times: tuple[float, float, float], plan: StepPlan, result: StepResult,
                     counts: tuple[int, int, int], finished: int) -> None:
         assert self.step_trace is not None
-        self.step_trace.write(step_record(self.num_steps, self.step_trace.wall_start(t0), plan, result,
-                                          counts, times, finished))
+        # The simulator's steps start on its virtual clock.
+        start = self._step_began if isinstance(self.clock, VirtualClock) else self.step_trace.wall_start(t0)
+        self.step_trace.write(step_record(self.num_steps, start, plan, result, counts, times, finished))
 
     def _loop_seconds(self, sampled: int) -> float:
         """Simulator: the loop's own time this step (0.0 without loop terms); takes the arrivals

@@ -1,5 +1,6 @@
-"""MultiprocExecutor: the model split over tensor-parallel worker processes (DESIGN.md, Data flow;
-FastServe §4.3), one per rank, joined by torch.distributed (gloo on CPU, NCCL on CUDA).
+"""MultiprocExecutor: the model split over worker processes (DESIGN.md, Data flow; FastServe
+§4.3), one per rank: tensor-parallel ranks inside each pipeline stage, joined by
+torch.distributed (gloo on CPU, NCCL on CUDA).
 
 The scheduler runs once, in the engine's process; every plan goes to every rank (ZMQ, msgspec:
 exec/worker.py), each runs it on its shard and its KV partition, and the ranks' StepResults
@@ -75,15 +76,24 @@ class _Workers:
 
 
 class MultiprocExecutor:
-    """`tp_size` worker processes; results come back from `poll` in submission order."""
+    """`tp_size` x `pp_size` worker processes; results come back from `poll` in submission order.
+
+    With pipeline stages several plans may be in flight (`submit` does not wait): each stage
+    works on a different one (FastServe §4.3). A plan's merged `step_seconds` is its time
+    through the pipe: the sum over stages of the slowest rank's work, waits for neighbours left
+    out; `stage_busy_s` / `stage_wait_s` sum each stage's work and waits over all plans (the
+    pipeline's bubbles, for benchmarks and the simulator's cost model)."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, tp_size: int, *, max_model_len: int,
-                 max_batch_size: int, host_tier: bool, poll_interval_s: float = 0.2) -> None:
-        self.size = tp_size
+                 max_batch_size: int, host_tier: bool, poll_interval_s: float = 0.2, pp_size: int = 1) -> None:
+        self.size = tp_size * pp_size
+        self.tp_size, self.pp_size = tp_size, pp_size
+        self.stage_busy_s = [0.0] * pp_size
+        self.stage_wait_s = [0.0] * pp_size
         self.poll_interval_s = poll_interval_s
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_result = msgspec.msgpack.Decoder(StepResult).decode
-        self._inbox: list[deque[bytes]] = [deque() for _ in range(tp_size)]
+        self._inbox: list[deque[bytes]] = [deque() for _ in range(self.size)]
         self._in_flight = 0
         self._broken: str | None = None
         # Per request: ranks that reported its async transfer done, and their longest copy.
@@ -93,22 +103,22 @@ class MultiprocExecutor:
         self._finalizer = multiprocessing.util.Finalize(self, w.close, exitpriority=10)
         self._results = w.results = w.ctx.socket(zmq.PULL)
         self._results.bind(f"ipc://{w.tmpdir}/results")
-        threads = max(1, torch.get_num_threads() // tp_size)  # CPU ranks share this process's cores
+        threads = max(1, torch.get_num_threads() // self.size)  # CPU ranks share this process's cores
         mp = torch.multiprocessing.get_context("spawn")
         try:
-            for rank in range(tp_size):
+            for rank in range(self.size):
                 sock = w.ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.SNDTIMEO, int(poll_interval_s * 1000))
                 sock.bind(f"ipc://{w.tmpdir}/plans-{rank}")
                 w.plans.append(sock)
-                spec = WorkerSpec(model, cache, rank, tp_size, max_model_len, max_batch_size, host_tier,
+                spec = WorkerSpec(model, cache, rank, self.size, max_model_len, max_batch_size, host_tier,
                                   f"ipc://{w.tmpdir}/plans-{rank}", f"ipc://{w.tmpdir}/results",
-                                  f"file://{w.tmpdir}/rendezvous", threads, os.getpid())
+                                  f"file://{w.tmpdir}/rendezvous", threads, os.getpid(), pp_size)
                 proc = mp.Process(target=worker_main, args=(spec,), name=f"tokenslice-tp{rank}", daemon=False)
                 proc.start()
                 w.procs.append(proc)
             caps = [msgspec.msgpack.decode(b, type=Capacity) for b in self._gather(READY)]
-            # Every rank holds the same blocks (only heads differ), as many as the smallest can.
+            # Every rank holds the same blocks (only heads and layers differ), as many as the smallest can.
             self.num_blocks = min(c.kv_blocks for c in caps)
             self.num_host_blocks = min(c.host_blocks for c in caps)
             # The whole model's block, summed over partitions: swap statistics compare with one rank.
@@ -144,7 +154,7 @@ class MultiprocExecutor:
 
     # ---- internals ------------------------------------------------------------------------------
     def _merge(self, results: list[StepResult]) -> StepResult:
-        merged = results[0]
+        merged = results[self.size - self.tp_size]  # the last stage's first rank sampled the answer
         done: list[str] = []
         for r in results:
             for rid in r.transfers_done:
@@ -159,8 +169,15 @@ class MultiprocExecutor:
                                      if rid in self._transfer_seconds}
         for rid in done:
             del self._transfer_ranks[rid]
-        merged.step_seconds = max(r.step_seconds for r in results)
-        merged.transfer_seconds = max(r.transfer_seconds for r in results)
+        tp, step, sync = self.tp_size, 0.0, 0.0
+        for i in range(self.pp_size):
+            stage = results[i * tp:(i + 1) * tp]
+            busy = max(r.step_seconds - r.wait_seconds for r in stage)
+            self.stage_busy_s[i] += busy
+            self.stage_wait_s[i] += max(r.wait_seconds for r in stage)
+            step += busy
+            sync += max(r.transfer_seconds for r in stage)
+        merged.step_seconds, merged.transfer_seconds, merged.wait_seconds = step, sync, 0.0
         return merged
 
     def _send(self, kind: bytes, body: bytes) -> None:

@@ -1,11 +1,18 @@
-"""One tensor-parallel rank's process (exec/multiproc.py starts them): its share of the model
-(model/tp.py), its KV partition on both tiers, and a loop that runs every StepPlan it receives.
+"""One rank's process (exec/multiproc.py starts them): its share of the model (model/tp.py; with
+pipeline parallelism its stage's layers, model/pp.py), its KV partition on both tiers, and a
+loop that runs every StepPlan it receives.
 
 Messages are ZMQ multipart frames [kind, body] with msgspec bodies. StepPlan and StepResult are
 encoded as the dataclasses they are, every field included, so fields added to them (or to
 SeqSlice, BlockTransfer, SamplingParams) travel without change here. Each rank runs the whole
 plan on its own partition: compute, sync swaps and async transfers alike (FastServe §4.3), and
 answers with its StepResult; the executor merges them.
+
+Pipeline stages (FastServe Fig. 10): every rank gets every plan, in submission order, and takes
+plans up one at a time; a stage runs the plan's swaps for its own layers' KV as it takes the
+plan up, before its activations arrive from the previous stage, so the swaps overlap the
+upstream compute of the same batch. Ranks are stage-major (model/pp.py); the last stage's
+tensor-parallel rank 0 answers with the sampled tokens.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import signal
 import sys
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -21,6 +29,10 @@ import zmq
 
 from tokenslice.config import CacheConfig, ModelConfig
 from tokenslice.plan import StepPlan, StepResult
+
+if TYPE_CHECKING:
+    from tokenslice.model.loader import LoadedModel
+    from tokenslice.model.pp import StagePipe
 
 # Engine -> worker
 INIT = b"init"  # Sizes: build the runner
@@ -66,6 +78,16 @@ class WorkerSpec:
     init_method: str  # torch.distributed rendezvous
     threads: int  # torch intra-op threads (CPU)
     parent_pid: int
+    pp_size: int = 1  # pipeline stages; `size` is the world: tensor-parallel size x pp_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.size // self.pp_size
+
+    @property
+    def answer_rank(self) -> int:
+        """The rank whose sampled tokens are the answer: the last stage's first."""
+        return self.size - self.tp_size
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -103,7 +125,7 @@ def worker_main(spec: WorkerSpec) -> None:
 def _serve(spec: WorkerSpec, plans: zmq.Socket, results: zmq.Socket, rank: bytes) -> None:
     import torch.distributed as dist
 
-    from tokenslice.model.loader import load_model, rank_device
+    from tokenslice.model.loader import rank_device
     from tokenslice.model.runner import ModelRunner, host_block_bytes, num_host_kv_blocks, num_kv_blocks
 
     device = rank_device(spec.model.device, spec.rank)
@@ -116,7 +138,7 @@ def _serve(spec: WorkerSpec, plans: zmq.Socket, results: zmq.Socket, rank: bytes
     encode = msgspec.msgpack.Encoder().encode
     runner: ModelRunner | None = None
     try:
-        loaded = load_model(spec.model, spec.rank, spec.size, with_tokenizer=False)
+        loaded, pipe = _load_stage(spec)
         # On CPU every rank's KV partition shares the one memory; on CUDA each has its GPU.
         sharing = spec.size if loaded.device.type == "cpu" else 1
         cap = Capacity(
@@ -137,16 +159,46 @@ def _serve(spec: WorkerSpec, plans: zmq.Socket, results: zmq.Socket, rank: bytes
             if kind == INIT:
                 sizes = msgspec.msgpack.decode(body, type=Sizes)
                 runner = ModelRunner(loaded, sizes.kv_blocks, spec.cache.block_size, spec.model.seed,
-                                     num_host_blocks=sizes.host_blocks, offload_dtype=spec.cache.offload_dtype)
+                                     num_host_blocks=sizes.host_blocks, offload_dtype=spec.cache.offload_dtype,
+                                     pipe=pipe, persistent_batch=spec.model.persistent_batch,
+                                     # Ranks run decode eager: collectives inside compiled code and
+                                     # graphs are untested here.
+                                     compile=spec.model.compile and spec.size == 1,
+                                     cuda_graphs=spec.model.cuda_graphs and spec.size == 1,
+                                     max_batch_size=spec.max_batch_size, max_model_len=spec.max_model_len)
                 results.send_multipart([rank, RESULT, encode(StepResult())])
                 continue
             if runner is None:
                 raise RuntimeError(f"rank {spec.rank}: a plan arrived before the KV sizes")
             result = runner.execute(decode_plan(body))
-            if spec.rank != 0:
-                result.sampled = {}  # every rank samples the same tokens; rank 0's are the answer
+            if spec.rank != spec.answer_rank:
+                result.sampled = {}  # the last stage's ranks sample the same tokens; one answers
             results.send_multipart([rank, RESULT, encode(result)])
     finally:
         if runner is not None:
             runner.close()
         dist.destroy_process_group()
+
+
+def _load_stage(spec: WorkerSpec) -> tuple[LoadedModel, StagePipe | None]:
+    """This rank's model and, with pipeline stages, its StagePipe. Every rank
+    creates every stage's tensor-parallel group, in the same order (torch.distributed asks it)."""
+    import torch.distributed as dist
+
+    from tokenslice.model.loader import load_arch, load_model
+    from tokenslice.model.pp import PPStage, StagePipe
+
+    tp = spec.tp_size
+    if spec.pp_size == 1:
+        return load_model(spec.model, spec.rank, tp, with_tokenizer=False), None
+    index, tp_rank = divmod(spec.rank, tp)
+    group = None
+    if tp > 1:
+        for s in range(spec.pp_size):
+            g = dist.new_group(list(range(s * tp, (s + 1) * tp)))
+            group = g if s == index else group
+    stage = PPStage.of(load_arch(spec.model), index, spec.pp_size)
+    loaded = load_model(spec.model, tp_rank, tp, with_tokenizer=False, stage=stage, group=group,
+                        global_rank=spec.rank)
+    pipe = StagePipe(stage, spec.rank, tp, loaded.arch.hidden_size, loaded.dtype, loaded.device)
+    return loaded, pipe

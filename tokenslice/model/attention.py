@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokenslice.model.input_batch import DecodeInputs, decode_inputs
 from tokenslice.plan import SeqSlice
 
 
@@ -31,6 +32,8 @@ class AttentionMetadata:
     pf_slots: torch.Tensor | None = None  # [P * Kmax]
     pf_len: int = 0  # Kmax
     pf_mask: torch.Tensor | None = None  # [P, 1, Qmax, Kmax] causal and length mask
+    # A decode-only step run compiled: attention goes through the opaque decode_attention op.
+    opaque_decode: bool = False
 
 
 def _table_tensor(slices: list[SeqSlice], width: int) -> torch.Tensor:
@@ -40,25 +43,37 @@ def _table_tensor(slices: list[SeqSlice], width: int) -> torch.Tensor:
 
 def build_metadata(decode: list[SeqSlice], prefill: list[SeqSlice], block_size: int,
                    device: torch.device) -> AttentionMetadata:
-    pos_list: list[int] = [s.start_pos for s in decode]
-    for s in prefill:
-        pos_list.extend(range(s.start_pos, s.start_pos + s.num_tokens))
-    positions = torch.tensor(pos_list, dtype=torch.long)
-    tables = _table_tensor(decode + prefill, max(len(s.block_table) for s in decode + prefill))
-    # Row of `tables` that each new token belongs to.
-    owner = torch.repeat_interleave(torch.arange(len(decode) + len(prefill)),
-                                    torch.tensor([1] * len(decode) + [s.num_tokens for s in prefill]))
-    slots = tables[owner, positions // block_size] * block_size + positions % block_size
-    meta = AttentionMetadata(positions=positions, slots=slots, num_decode=len(decode))
-    if decode:
-        ctx = positions[: len(decode)] + 1
-        lmax = int(ctx.max())
+    """Metadata built from the plan alone (one-off passes; the runner keeps a DecodeBatch)."""
+    return step_metadata(decode_inputs(decode), prefill, block_size, device)
+
+
+def step_metadata(dec: DecodeInputs, prefill: list[SeqSlice], block_size: int,
+                  device: torch.device, ctx_len: int = 0) -> AttentionMetadata:
+    """Metadata of a step: the decode rows (`dec`, plan order) first, then the prefill slices.
+    `ctx_len`: gather at least this many keys per decode row (shape buckets; the mask hides them)."""
+    num_decode = len(dec.positions)
+    dec_pos = torch.from_numpy(dec.positions)
+    positions, slots = dec_pos, dec_pos  # replaced below; the decode part always comes first
+    meta = AttentionMetadata(positions=positions, slots=slots, num_decode=num_decode)
+    if num_decode:
+        tables = torch.from_numpy(dec.tables)
+        slots = tables[torch.arange(num_decode), dec_pos // block_size] * block_size + dec_pos % block_size
+        lmax = max(int(dec.positions.max()) + 1, ctx_len)
         kpos = torch.arange(lmax)
-        meta.dec_slots = (tables[: len(decode)][:, kpos // block_size] * block_size + kpos % block_size).flatten()
+        meta.dec_slots = (tables[:, kpos // block_size] * block_size + kpos % block_size).flatten()
         meta.dec_len = lmax
-        meta.dec_mask = (kpos[None, :] < ctx[:, None]).view(len(decode), 1, 1, lmax)
+        meta.dec_mask = (kpos[None, :] < dec_pos[:, None] + 1).view(num_decode, 1, 1, lmax)
     if prefill:
+        pos_list: list[int] = []
+        for s in prefill:
+            pos_list.extend(range(s.start_pos, s.start_pos + s.num_tokens))
+        pf_pos = torch.tensor(pos_list, dtype=torch.long)
+        tables = _table_tensor(prefill, max(len(s.block_table) for s in prefill))
         qlens = torch.tensor([s.num_tokens for s in prefill])
+        owner = torch.repeat_interleave(torch.arange(len(prefill)), qlens)  # each token's row
+        pf_slots = tables[owner, pf_pos // block_size] * block_size + pf_pos % block_size
+        positions = torch.cat([dec_pos, pf_pos]) if num_decode else pf_pos
+        slots = torch.cat([slots, pf_slots]) if num_decode else pf_slots
         starts = torch.tensor([s.start_pos for s in prefill])
         qmax, kmax = int(qlens.max()), int((starts + qlens).max())
         qidx = torch.arange(qmax)
@@ -66,18 +81,52 @@ def build_metadata(decode: list[SeqSlice], prefill: list[SeqSlice], block_size: 
         meta.pf_q_valid = qidx[None, :] < qlens[:, None]
         meta.pf_q_index = torch.where(meta.pf_q_valid, offsets[:, None] + qidx[None, :], 0)
         kpos = torch.arange(kmax)
-        meta.pf_slots = (tables[len(decode):][:, kpos // block_size] * block_size + kpos % block_size).flatten()
+        meta.pf_slots = (tables[:, kpos // block_size] * block_size + kpos % block_size).flatten()
         meta.pf_len = kmax
         qpos = starts[:, None] + qidx[None, :]  # [P, Qmax]
         mask = kpos[None, None, :] <= qpos[:, :, None]
         # Padded query rows see key 0 only, so softmax stays finite; their output is discarded.
         mask = torch.where(meta.pf_q_valid[:, :, None], mask, kpos[None, None, :] == 0)
         meta.pf_mask = mask.unsqueeze(1)
+    meta.positions, meta.slots = positions, slots
     if device.type != "cpu":
         for name, value in vars(meta).items():
             if isinstance(value, torch.Tensor):
                 setattr(meta, name, value.to(device, non_blocking=True))
     return meta
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dec_slots: torch.Tensor,
+                      dec_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each decode row's one query over its context; caches are [slots, KVH, D] views."""
+    d, lmax = dec_mask.shape[0], dec_mask.shape[-1]
+    kvh, hd = k_cache.shape[1], k_cache.shape[2]
+    kd = k_cache.index_select(0, dec_slots).view(d, lmax, kvh, hd).transpose(1, 2)
+    vd = v_cache.index_select(0, dec_slots).view(d, lmax, kvh, hd).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=dec_mask, scale=scale,
+                                       enable_gqa=q.shape[1] != kvh)
+    return o.squeeze(2)
+
+
+@torch.library.custom_op("tokenslice::decode_attention", mutates_args=("kv_layer",))
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                     slots: torch.Tensor, dec_slots: torch.Tensor, dec_mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """A decode-only step's cache write and attention as one opaque operator for torch.compile:
+    traced as plain ops, the in-place write into the whole KV pool would become a functional
+    copy of the pool every step."""
+    kvh, hd = k.shape[1], k.shape[2]
+    k_cache, v_cache = kv_layer[0].view(-1, kvh, hd), kv_layer[1].view(-1, kvh, hd)
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+    return _decode_attention(q, k_cache, v_cache, dec_slots, dec_mask, scale)
+
+
+@decode_attention.register_fake
+def _decode_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                            slots: torch.Tensor, dec_slots: torch.Tensor, dec_mask: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
@@ -86,6 +135,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
 
     Writes the new K/V into their slots, then attends each token over its request's context.
     """
+    if meta.opaque_decode:
+        return decode_attention(q, k, v, kv_layer, meta.slots, meta.dec_slots, meta.dec_mask, scale)
     kvh, hd = k.shape[1], k.shape[2]
     k_cache = kv_layer[0].view(-1, kvh, hd)
     v_cache = kv_layer[1].view(-1, kvh, hd)
@@ -95,11 +146,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     d = meta.num_decode
     outs: list[torch.Tensor] = []
     if d:
-        kd = k_cache.index_select(0, meta.dec_slots).view(d, meta.dec_len, kvh, hd).transpose(1, 2)
-        vd = v_cache.index_select(0, meta.dec_slots).view(d, meta.dec_len, kvh, hd).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[:d].unsqueeze(2), kd, vd, attn_mask=meta.dec_mask,
-                                           scale=scale, enable_gqa=gqa)
-        outs.append(o.squeeze(2))
+        outs.append(_decode_attention(q[:d], k_cache, v_cache, meta.dec_slots, meta.dec_mask, scale))
     if meta.pf_q_index is not None:
         p = meta.pf_q_index.shape[0]
         qp = q[d:][meta.pf_q_index].transpose(1, 2)  # [P, H, Qmax, D]

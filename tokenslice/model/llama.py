@@ -103,8 +103,17 @@ class LlamaForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.arch.tie_word_embeddings:
+        if self.arch.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def keep_stage(self, first: bool, last: bool) -> None:
+        """A pipeline stage's model (model/pp.py): the embedding only on the first, the final
+        norm and the head only on the last."""
+        if not first:
+            self.model.embed_tokens = None
+        if not last:
+            self.model.norm = None
+            self.lm_head = None
 
     def fuse(self) -> None:
         """Fuse projections for speed once weights are final; also frees the unfused copies."""
@@ -115,13 +124,15 @@ class LlamaForCausalLM(nn.Module):
                     getattr(mod, n).weight = nn.Parameter(torch.empty(0), requires_grad=False)
                     getattr(mod, n).bias = None
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, hidden] for the batch's new tokens; kv is the whole block pool."""
-        x = self.model.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] for the batch's new tokens; kv is the whole block pool (of
+        this stage's layers). A later pipeline stage starts from the previous stage's `hidden`."""
+        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         cos, sin = self.rotary(meta.positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv[i], meta)
-        return self.model.norm(x)
+        return self.model.norm(x) if self.model.norm is not None else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -18,6 +18,7 @@ from tokenslice.model.layers import use_input_major_linears
 from tokenslice.model.builtin import BUILTIN_SEED, BUILTIN_TINY, builtin_config, builtin_tokenizer
 from tokenslice.model.llama import LlamaForCausalLM
 from tokenslice.model.opt import OPTForCausalLM
+from tokenslice.model.pp import PPStage
 from tokenslice.model.tp import TPShard, parallelize
 
 log = logging.getLogger(__name__)
@@ -86,28 +87,37 @@ def load_arch(cfg: ModelConfig) -> ArchConfig:
     return parse_config(raw, str(cfg_file))
 
 
-def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True) -> LoadedModel:
+def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer: bool = True,
+               stage: PPStage | None = None, group: Any = None, global_rank: int | None = None) -> LoadedModel:
     """The model on its device, and its tokenizer unless `with_tokenizer` is False (seconds of
-    imports that a worker process does without). With tp_size > 1, rank `rank`'s share of it
-    (model/tp.py): only its slices of the weights are read, the result's `arch` is the share's
-    (its heads, hence its KV partition), and on CUDA it lives on cuda:rank."""
+    imports that a worker process does without). With tp_size > 1, tensor-parallel rank `rank`'s
+    share of it (model/tp.py; its collectives in `group`): only its slices of the weights are
+    read, the result's `arch` is the share's (its heads, hence its KV partition). With a
+    pipeline `stage` (model/pp.py), only that stage's layers, embedding or head, and `arch` has
+    its layers. On CUDA a distributed rank lives on cuda:`global_rank` (default: `rank`)."""
     arch = load_arch(cfg)
     shard = TPShard(arch, rank, tp_size) if tp_size > 1 else None
-    device = rank_device(cfg.device, rank) if shard is not None else resolve_device(cfg.device)
+    distributed = shard is not None or stage is not None
+    device = (rank_device(cfg.device, rank if global_rank is None else global_rank) if distributed
+              else resolve_device(cfg.device))
     local = shard.local_arch if shard is not None else arch
+    if stage is not None:
+        local = stage.local_arch(local)
     dtype = resolve_dtype(cfg.dtype, arch, device)
     with torch.device("meta"):
         model = build_model(local)
+        if stage is not None:
+            model.keep_stage(stage.is_first, stage.is_last)
     model = model.to_empty(device="cpu")
     model.tie_weights()  # to_empty gives each parameter fresh storage, which unties them
     if cfg.model == BUILTIN_TINY:
-        _copy_weights(model, _builtin_weights(arch), shard)
+        _copy_weights(model, _builtin_weights(arch), shard, stage)
     else:
-        _load_weights(model, arch, Path(cfg.model), shard)
+        _load_weights(model, arch, Path(cfg.model), shard, stage)
     tokenizer = model_tokenizer(cfg, arch) if with_tokenizer else None
     _rebuild_buffers(model, local)
     if shard is not None:
-        parallelize(model, shard)
+        parallelize(model, shard, group)
     return LoadedModel(_finalize(model, device, dtype), local, tokenizer, dtype, device, str(Path(cfg.model)))
 
 
@@ -127,11 +137,12 @@ def _builtin_weights(arch: ArchConfig) -> nn.Module:
     return model
 
 
-def _copy_weights(model: nn.Module, source: nn.Module, shard: TPShard | None) -> None:
-    full = dict(source.named_parameters())
+def _copy_weights(model: nn.Module, source: nn.Module, shard: TPShard | None, stage: PPStage | None) -> None:
+    full = dict(source.named_parameters(remove_duplicate=False))  # a tied head keeps its name
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(shard.read(name, full[name], tuple(p.shape)) if shard is not None else full[name])
+            whole = full[stage.global_name(name) if stage is not None else name]
+            p.copy_(shard.read(name, whole, tuple(p.shape)) if shard is not None else whole)
 
 
 def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -140,7 +151,8 @@ def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.
         model.fuse()
     if device.type == "cpu":
         # A head tied to the embedding stays as is: transposing it would duplicate the table.
-        tied = {id(model.lm_head.weight)} if model.arch.tie_word_embeddings else set()
+        head = model.lm_head
+        tied = {id(head.weight)} if model.arch.tie_word_embeddings and head is not None else set()
         use_input_major_linears(model, tied)
     return model
 
@@ -199,19 +211,21 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def _load_weights(model: nn.Module, arch: ArchConfig, path: Path, shard: TPShard | None = None) -> None:
+def _load_weights(model: nn.Module, arch: ArchConfig, path: Path, shard: TPShard | None = None,
+                  stage: PPStage | None = None) -> None:
     params = dict(model.named_parameters())
-    if shard is None:
-        full_shapes = {n: tuple(p.shape) for n, p in params.items()}
-    else:  # check the checkpoint against the whole model's shapes, then read the shard's part
-        with torch.device("meta"):
-            full_shapes = {n: tuple(p.shape) for n, p in build_model(arch).named_parameters()}
+    # The checkpoint is checked against the whole model's shapes; a shard reads its part of it.
+    with torch.device("meta"):
+        full_shapes = {n: tuple(p.shape) for n, p in build_model(arch).named_parameters(remove_duplicate=False)}
     loaded: set[str] = set()
     for file in _weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                name = key if key in params else f"model.{key}"  # older OPT files omit "model."
-                if name not in params:
+                name = key if key in full_shapes else f"model.{key}"  # older OPT files omit "model."
+                local = stage.local_name(name) if stage is not None and name in full_shapes else name
+                if local is None:
+                    continue  # another pipeline stage's
+                if local not in params:
                     if not key.endswith(IGNORED_SUFFIXES):
                         log.warning("%s: ignoring unexpected tensor %s", file, key)
                     continue
@@ -219,11 +233,11 @@ def _load_weights(model: nn.Module, arch: ArchConfig, path: Path, shard: TPShard
                 if tuple(part.get_shape()) != full_shapes[name]:
                     raise ModelLoadError(f"{file}: tensor {key} has shape {tuple(part.get_shape())}, "
                                          f"the config implies {full_shapes[name]}")
-                want = tuple(params[name].shape)
-                tensor = part[:] if shard is None else shard.read(name, part, want)
+                want = tuple(params[local].shape)
+                tensor = part[:] if shard is None else shard.read(local, part, want)
                 with torch.no_grad():
-                    params[name].copy_(tensor)
-                loaded.add(name)
+                    params[local].copy_(tensor)
+                loaded.add(local)
     tied = {"lm_head.weight"} if arch.tie_word_embeddings else set()
     missing = sorted(set(params) - loaded - tied)
     if missing:

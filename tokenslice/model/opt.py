@@ -80,15 +80,30 @@ class OPTForCausalLM(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        if self.arch.tie_word_embeddings:
+        if self.arch.tie_word_embeddings and self.lm_head is not None and self.model.decoder.embed_tokens is not None:
             self.lm_head.weight = self.model.decoder.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor) -> torch.Tensor:
+    def keep_stage(self, first: bool, last: bool) -> None:
+        """A pipeline stage's model (model/pp.py): embeddings and the input projection only on
+        the first, the final norm, output projection and head only on the last."""
         dec = self.model.decoder
-        x = dec.embed_tokens(input_ids)
-        if dec.project_in is not None:
-            x = dec.project_in(x)
-        x = x + dec.embed_positions(meta.positions + OPT_POSITION_OFFSET)
+        if not first:
+            dec.embed_tokens = dec.embed_positions = dec.project_in = None
+        if not last:
+            dec.final_layer_norm = dec.project_out = None
+            self.lm_head = None
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """As LlamaForCausalLM.forward; a later pipeline stage starts from `hidden`."""
+        dec = self.model.decoder
+        if hidden is None:
+            x = dec.embed_tokens(input_ids)
+            if dec.project_in is not None:
+                x = dec.project_in(x)
+            x = x + dec.embed_positions(meta.positions + OPT_POSITION_OFFSET)
+        else:
+            x = hidden
         for i, layer in enumerate(dec.layers):
             x = layer(x, kv[i], meta)
         if dec.final_layer_norm is not None:

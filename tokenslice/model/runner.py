@@ -24,10 +24,13 @@ import torch
 
 from tokenslice.config import OFFLOAD_DTYPES, CacheConfig
 from tokenslice.model.arch import ArchConfig
-from tokenslice.model.attention import build_metadata
+from tokenslice.model.attention import build_metadata, step_metadata
+from tokenslice.model.compiled_decode import CompiledDecode
+from tokenslice.model.input_batch import DecodeBatch, decode_inputs
 from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quantize_blocks, quantized_block_bytes
 from tokenslice.model.loader import LoadedModel
 from tokenslice.model.logprobs import prompt_logprobs, token_logprobs
+from tokenslice.model.pp import StagePipe
 from tokenslice.model.sampler import Sampler
 from tokenslice.model.transfer import TransferEngine
 from tokenslice.plan import BlockTransfer, Direction, StepPlan, StepResult, copy_runs
@@ -77,7 +80,9 @@ def num_host_kv_blocks(cache: CacheConfig, loaded: LoadedModel, ranks: int = 1) 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
-                 num_host_blocks: int = 0, offload_dtype: str = "auto", transfer_threads: int = 2) -> None:
+                 num_host_blocks: int = 0, offload_dtype: str = "auto", transfer_threads: int = 2,
+                 pipe: StagePipe | None = None, persistent_batch: bool = True, compile: bool = False,
+                 cuda_graphs: bool = False, max_batch_size: int = 64, max_model_len: int = 2048) -> None:
         if offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"offload_dtype must be one of {', '.join(OFFLOAD_DTYPES)}, got {offload_dtype!r}")
         if num_host_blocks < 0:
@@ -113,6 +118,17 @@ class ModelRunner:
         # How long an empty step waits for an async transfer before returning to the engine.
         self.idle_wait_s = 0.05
         self.sampler = Sampler(self.device, seed)
+        # A pipeline stage (model/pp.py): hidden states come from the previous stage and go on to
+        # the next; only the last stage computes logits and samples.
+        self.pipe = pipe
+        # Decode rows kept between steps (model/input_batch.py); None rebuilds them from each plan.
+        self.batch: DecodeBatch | None = DecodeBatch() if persistent_batch else None
+        # Decode-only steps as compiled code: CUDA graphs on CUDA, inductor on CPU with `compile`.
+        self.compiled: CompiledDecode | None = None
+        # A stage's forward is not the whole model's: stages run eager.
+        if pipe is None and (cuda_graphs if self.device.type == "cuda" else compile):
+            self.compiled = CompiledDecode(self.model, self.kv, block_size, self.device, max_batch_size,
+                                           max_model_len)
         self.prep_seconds = 0.0  # summed time turning plans into tensors (overhead accounting)
         # The data plane's own record of what it copied (sync and async), for its tests and the
         # bandwidth benchmark: tensor copy calls issued (per run, per host tensor, per layer row on
@@ -141,8 +157,13 @@ class ModelRunner:
         if plan.async_transfers:
             self._start_async(plan.async_transfers)
         result = StepResult(transfer_seconds=transfer_seconds)
+        waited = self.pipe.wait_seconds if self.pipe is not None else 0.0
         if not plan.is_empty:
             self._compute(plan, result)
+        elif self.batch is not None:  # nobody decodes: every row is stale by the next compute
+            self.batch.update([])
+        if self.pipe is not None:
+            result.wait_seconds = self.pipe.wait_seconds - waited
         done: list[str] = []
         if self._engine is not None:
             done = self._engine.poll()
@@ -156,36 +177,54 @@ class ModelRunner:
     def _compute(self, plan: StepPlan, result: StepResult) -> None:
         """One forward pass; fills result.sampled and the logprobs of the slices that ask."""
         t0 = time.perf_counter()
+        dec = self.batch.update(plan.decode, bool(plan.swap_in)) if self.batch is not None else decode_inputs(plan.decode)
+        hidden = logits = None
+        # One token per slice, each sampling and no prompt logprobs (a 1-token prompt chunk also
+        # counts as decode): logits of every row, nothing to select.
+        every_row = not plan.prefill and all(s.sample and not s.prompt_logprob_targets for s in plan.decode)
+        if self.compiled is not None and every_row:
+            self.prep_seconds += time.perf_counter() - t0
+            logits = self.compiled.logits(dec)
+        if logits is None:
+            ids = torch.from_numpy(dec.token_ids)
+            if plan.prefill:
+                ids = torch.cat([ids, torch.tensor([t for s in plan.prefill for t in s.token_ids], dtype=torch.long)])
+            input_ids = ids.to(self.device, non_blocking=True)
+            meta = step_metadata(dec, plan.prefill, self.block_size, self.device)
+            self.prep_seconds += time.perf_counter() - t0
+            pipe = self.pipe
+            before = pipe.recv(plan.num_tokens) if pipe is not None and not pipe.stage.is_first else None
+            hidden = self.model(input_ids, meta, self.kv, before)
+            if pipe is not None and not pipe.stage.is_last:
+                pipe.send(hidden)
+                return
         slices = plan.decode + plan.prefill
-        ids: list[int] = []
-        for s in slices:
-            ids.extend(s.token_ids)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        meta = build_metadata(plan.decode, plan.prefill, self.block_size, self.device)
-        self.prep_seconds += time.perf_counter() - t0
-        hidden = self.model(input_ids, meta, self.kv)
-        # Logits only for the last token of each slice that samples.
-        last, sampling = [], []
-        end = 0
-        for s in slices:
-            if s.prompt_logprob_targets:
-                rows = range(end + s.prompt_logprob_offset, end + s.prompt_logprob_offset + len(s.prompt_logprob_targets))
-                result.prompt_logprobs[s.request_id] = prompt_logprobs(
-                    hidden, list(rows), s.prompt_logprob_targets, s.params.prompt_logprobs or 0,
-                    self.model.compute_logits)
-            end += s.num_tokens
-            if s.sample:
-                last.append(end - 1)
-                sampling.append(s)
-        if not sampling:
-            return
-        logits = self.model.compute_logits(hidden[torch.tensor(last, device=self.device)]).float()
+        if not every_row:
+            # Logits only for the last token of each slice that samples.
+            last, sampling = [], []
+            end = 0
+            for s in slices:
+                if s.prompt_logprob_targets:
+                    rows = range(end + s.prompt_logprob_offset, end + s.prompt_logprob_offset + len(s.prompt_logprob_targets))
+                    result.prompt_logprobs[s.request_id] = prompt_logprobs(
+                        hidden, list(rows), s.prompt_logprob_targets, s.params.prompt_logprobs or 0,
+                        self.model.compute_logits)
+                end += s.num_tokens
+                if s.sample:
+                    last.append(end - 1)
+                    sampling.append(s)
+            if not sampling:
+                return
+            assert hidden is not None  # only every_row steps run compiled
+            hidden = hidden[torch.tensor(last, device=self.device)]
+        else:
+            sampling = slices
+        logits = (self.model.compute_logits(hidden) if logits is None else logits).float()
         asks = [i for i, s in enumerate(sampling) if s.params.logprobs is not None]
         # Raw logits, copied before the sampler processes them in place.
         raw = logits[torch.tensor(asks, device=self.device)] if asks else None
         tokens = self.sampler.sample(logits, sampling)
-        for s, tok in zip(sampling, tokens, strict=True):
-            result.sampled[s.request_id] = tok
+        result.sampled.update(zip([s.request_id for s in sampling], tokens, strict=True))
         if raw is not None:
             chosen = torch.tensor([tokens[i] for i in asks], device=self.device)
             lps = token_logprobs(raw, chosen, [sampling[i].params.logprobs or 0 for i in asks])

@@ -50,7 +50,7 @@ class Sampler:
             self._apply_logit_bias(logits, slices)
         if any(s.params.penalized for s in slices):
             self._apply_penalties(logits, slices)
-        out = logits.argmax(dim=-1).tolist()
+        out = logits.argmax(dim=-1)  # stays on the device: one host sync per step, at the end
         if any(s.params.min_p > 0.0 and s.params.temperature > 0.0 for s in slices):
             self._apply_min_p(logits, slices)
         for i, s in enumerate(slices):
@@ -71,8 +71,8 @@ class Sampler:
                 drop[0] = False  # a top_p below float32's range must still leave a token
                 sorted_probs = sorted_probs.masked_fill(drop, 0.0)
                 probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-            out[i] = int(torch.multinomial(probs, 1, generator=self._generator(s)))
-        return out
+            out[i] = torch.multinomial(probs, 1, generator=self._generator(s))[0]
+        return out.tolist()
 
     def _apply_logit_bias(self, logits: torch.Tensor, slices: list[SeqSlice]) -> None:
         rows, cols, bias = [], [], []

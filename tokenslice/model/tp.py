@@ -8,7 +8,8 @@ gate/up (OPT: fc1) by intermediate rows and down (fc2) by columns, one all-reduc
 embedding and the LM head are split by vocabulary rows: each rank looks up or scores its rows,
 an all-reduce joins the embedding, an all-gather the logits, so every rank holds the whole
 logits and sampling is the one-rank code path. Norms, rotary tables, OPT's positions and
-projections are replicated.
+projections are replicated. With pipeline parallelism each stage is its own tensor-parallel
+group (`group`); without it the group is torch.distributed's default one.
 
 With more ranks than KV heads (GQA), each KV head is replicated on the ranks whose query heads
 read it. Biases of row-parallel layers are added by rank 0 only (zeros elsewhere), so the
@@ -131,13 +132,14 @@ class TPShard:
 class RowParallelLinear(nn.Module):
     """A linear layer over this rank's input columns; the all-reduce sums the ranks' parts."""
 
-    def __init__(self, linear: nn.Module) -> None:
+    def __init__(self, linear: nn.Module, group: Any = None) -> None:
         super().__init__()
         self.linear = linear
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=self.group)
         return y
 
 
@@ -145,31 +147,33 @@ class VocabParallelEmbedding(nn.Module):
     """This rank's rows of the token table; tokens outside them look up zeros, the all-reduce
     fills in each token's row from the rank that holds it."""
 
-    def __init__(self, embedding: nn.Embedding, start: int, end: int) -> None:
+    def __init__(self, embedding: nn.Embedding, start: int, end: int, group: Any = None) -> None:
         super().__init__()
         self.embedding = embedding
         self.start, self.end = start, end
+        self.group = group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.end)
         x = self.embedding((ids - self.start).masked_fill(outside, 0))
         x = x.masked_fill(outside.unsqueeze(-1), 0)
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
 
 class VocabParallelHead(nn.Module):
     """Logits for this rank's vocabulary rows, all-gathered into the whole [tokens, vocab]."""
 
-    def __init__(self, proj: nn.Module, vocab_size: int, size: int) -> None:
+    def __init__(self, proj: nn.Module, vocab_size: int, size: int, group: Any = None) -> None:
         super().__init__()
         self.proj = proj
         self.vocab_size, self.size = vocab_size, size
+        self.group = group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         part = self.proj(hidden).contiguous()
         parts = [torch.empty_like(part) for _ in range(self.size)]
-        dist.all_gather(parts, part)
+        dist.all_gather(parts, part, group=self.group)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
     @property
@@ -177,15 +181,16 @@ class VocabParallelHead(nn.Module):
         return self.proj.weight
 
 
-def parallelize(model: nn.Module, shard: TPShard) -> None:
+def parallelize(model: nn.Module, shard: TPShard, group: Any = None) -> None:
     """Join a loaded shard into the whole model: wrap the row-parallel projections, the token
-    embedding and the LM head in the layers above (their parameters stay where they are)."""
+    embedding and the LM head in the layers above (their parameters stay where they are); their
+    collectives run in `group` (None: the default group)."""
     start, end = shard.vocab_rows
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if name in QUERY_COLS or name in MLP_COLS:
-                setattr(parent, name, RowParallelLinear(child))
+                setattr(parent, name, RowParallelLinear(child, group))
             elif name == "embed_tokens":
-                setattr(parent, name, VocabParallelEmbedding(child, start, end))
+                setattr(parent, name, VocabParallelEmbedding(child, start, end, group))
             elif name == "lm_head":
-                setattr(parent, name, VocabParallelHead(child, shard.arch.vocab_size, shard.size))
+                setattr(parent, name, VocabParallelHead(child, shard.arch.vocab_size, shard.size, group))

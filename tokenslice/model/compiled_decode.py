@@ -1,0 +1,125 @@
+"""Compiled decode: a decode-only step (forward + LM head) run as compiled code instead of
+op-by-op eager PyTorch, whose per-operator dispatch dominates small models' steps.
+
+Both pad a step to a shape bucket: the batch to a power of two by repeating row 0 (whose K/V
+write then lands twice in the same slot with the same value), the context to a power of two
+blocks (the mask hides the padding). A step larger than every bucket runs eager.
+
+- CPU: torch.compile (inductor's C++/OpenMP kernels) with static shapes, one compilation per
+  bucket met, on its first step (seconds each). Dynamic shapes compiled for minutes here and
+  gave wrong logits beyond batch 1 (torch 2.13, the opaque KV operator), so they are not used.
+- CUDA: one CUDA graph per bucket, captured at start-up and replayed with the step's inputs
+  copied into static buffers (vLLM's decode graphs).
+
+The KV write and attention stay one opaque operator (attention.decode_attention), so neither
+the compiler nor a graph copies the KV pool. Mixed steps (prefill rows) always run eager.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenslice.model.attention import AttentionMetadata, step_metadata
+from tokenslice.model.input_batch import DecodeInputs
+
+
+def buckets(limit: int, start: int = 1) -> list[int]:
+    """Powers of two from `start` up to the first one covering `limit`."""
+    out = [start]
+    while out[-1] < limit:
+        out.append(out[-1] * 2)
+    return out
+
+
+def _decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                   dec_slots: torch.Tensor, dec_mask: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    meta = AttentionMetadata(positions=positions, slots=slots, num_decode=input_ids.shape[0],
+                             dec_slots=dec_slots, dec_len=dec_mask.shape[-1], dec_mask=dec_mask,
+                             opaque_decode=True)
+    return model.compute_logits(model(input_ids, meta, kv))
+
+
+class CompiledDecode:
+    def __init__(self, model: nn.Module, kv: torch.Tensor, block_size: int, device: torch.device,
+                 max_batch_size: int, max_model_len: int) -> None:
+        self.model, self.kv, self.block_size, self.device = model, kv, block_size, device
+        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.batch_buckets = buckets(max_batch_size)
+        self.ctx_buckets = buckets(max_model_len, block_size)
+        if device.type == "cuda":
+            self._capture_all()
+        else:
+            # One compiled shape per bucket: allow them all before torch falls back to eager.
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                        len(self.batch_buckets) * len(self.ctx_buckets))
+            self._fn: Callable[..., torch.Tensor] = torch.compile(self._eager, dynamic=False)
+
+    def _eager(self, *args: torch.Tensor) -> torch.Tensor:
+        return _decode_logits(self.model, *args)
+
+    def logits(self, dec: DecodeInputs) -> torch.Tensor | None:
+        """[D, vocab] logits of a decode-only step, or None where no compiled shape fits it."""
+        d, bs = len(dec.positions), self.block_size
+        b = next((b for b in self.batch_buckets if b >= d), None)
+        c = next((c for c in self.ctx_buckets if c > int(dec.positions.max())), None)
+        if b is None or c is None:
+            return None
+        padded = _pad(dec, b, c // bs)
+        if self.device.type == "cuda":
+            return self.graphs[(b, c)].replay(padded, bs)[:d]
+        meta = step_metadata(padded, [], bs, self.device, c)
+        return self._fn(torch.from_numpy(padded.token_ids), meta.positions, meta.slots, meta.dec_slots,
+                        meta.dec_mask, self.kv)[:d]
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        for c in reversed(self.ctx_buckets):  # largest first: later graphs reuse its memory
+            for b in reversed(self.batch_buckets):
+                g = _Graph(self, b, c, pool)
+                pool = g.graph.pool()
+                self.graphs[(b, c)] = g
+
+
+def _pad(dec: DecodeInputs, rows: int, width: int) -> DecodeInputs:
+    """`rows` rows (row 0 repeated) and `width` table columns (block 0 appended)."""
+    idx = np.concatenate([np.arange(len(dec.positions)), np.zeros(rows - len(dec.positions), dtype=np.int64)])
+    tables = np.zeros((rows, width), dtype=np.int64)
+    w = min(width, dec.tables.shape[1])  # blocks past the context bucket are never read
+    tables[:, :w] = dec.tables[idx, :w]
+    return DecodeInputs(dec.token_ids[idx], dec.positions[idx], tables)
+
+
+class _Graph:
+    """One captured decode step of `rows` rows over `ctx` keys, with its static inputs."""
+
+    def __init__(self, owner: CompiledDecode, rows: int, ctx: int, pool: object | None) -> None:
+        dev = owner.device
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.dec_slots = torch.zeros(rows * ctx, dtype=torch.long, device=dev)
+        self.dec_mask = torch.ones(rows, 1, 1, ctx, dtype=torch.bool, device=dev)
+        # Capture writes K/V to slot 0 (block 0) for the dummy rows; harmless before any request
+        # runs, which is when graphs are captured.
+        args = (self.input_ids, self.positions, self.slots, self.dec_slots, self.dec_mask, owner.kv)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph (allocator, kernel selection)
+                owner._eager(*args)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = owner._eager(*args)
+
+    def replay(self, dec: DecodeInputs, block_size: int) -> torch.Tensor:
+        meta = step_metadata(dec, [], block_size, torch.device("cpu"), self.dec_mask.shape[-1])
+        for dst, src in ((self.input_ids, torch.from_numpy(dec.token_ids)), (self.positions, meta.positions),
+                         (self.slots, meta.slots), (self.dec_slots, meta.dec_slots), (self.dec_mask, meta.dec_mask)):
+            dst.copy_(src, non_blocking=True)
+        self.graph.replay()
+        return self.out
