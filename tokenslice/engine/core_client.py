@@ -290,18 +290,9 @@ class EngineCoreClient(StreamAdmission):
             return
         if out.metrics is not None:
             out.metrics = live.merge(out.metrics)
-        det = live.detok
-        if det is not None:
-            det.add_step(out.new_token_ids, out.finish_reason if out.finished else None)
-            if out.finished:
-                det.add([], final=True)  # release bytes held back waiting for a character to complete
-            if det.stopped and not out.finished:  # a stop string: end it here, free its KV there
-                out.finished, out.finish_reason = True, "stop"
-                if out.metrics is not None and out.metrics.token_times:
-                    out.metrics.finish_time = out.metrics.token_times[-1]
-                self._stopped.add(rid)
-                self._send(Abort([rid]))
-            out.text_delta = det.delta(out.finished)
+        if live.detok is not None and live.detok.apply(out):  # a stop string: end it here, free its KV there
+            self._stopped.add(rid)
+            self._send(Abort([rid]))
         self._observe(out)
         if out.finished:
             del self._live[rid]
