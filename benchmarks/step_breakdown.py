@@ -16,11 +16,13 @@ Server (`tokenslice serve`, engine core in its own process unless --no-engine-pr
 trace on), same requests streamed over HTTP at once:
   in-step    schedule + execute + update as the core's step trace records them
   core loop  the core's time between steps (receiving, sending outputs) = step interval - in-step
-  api cpu    CPU milliseconds the API-server process spends per step (detokenize, SSE, HTTP)
+  api cpu    CPU milliseconds the API-server process spends per step (detokenize, SSE, HTTP;
+             with --no-engine-process the engine's own compute too: one process)
   tok/s      tokens the client received per second, decode part
 
     .venv/bin/python benchmarks/step_breakdown.py [--models stories260k,24m] [--batches 1,16]
-        [--server-mode process|thread|both|none] [--out benchmarks/results/step_breakdown.json]
+        [--server-mode process|thread|both|none] [--serve-args "--api-server-cpus 0"] [--no-engine]
+        [--out benchmarks/results/step_breakdown.json]
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ from tokenslice import LLM, SamplingParams  # noqa: E402
 from tokenslice.bench.client import ClientConfig, LoadClient, synthetic_prompt_ids, wait_idle  # noqa: E402
 from tokenslice.bench.sweep import ServerProcess, ServerSpec  # noqa: E402
 from tokenslice.bench.workloads import WorkloadRequest  # noqa: E402
+from tokenslice.config import CpuConfig  # noqa: E402
+from tokenslice.engine.cpus import plan_cpus  # noqa: E402
 from tokenslice.engine.step_trace import load_step_trace  # noqa: E402
 
 PROMPT, NEW = 64, 128
@@ -178,9 +182,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--server-mode", default="process", choices=("process", "thread", "both", "none"))
     ap.add_argument("--serve-args", default="", help="extra `tokenslice serve` flags for the server runs")
+    ap.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True,
+                    help="the in-process engine breakdown (--no-engine: server runs only)")
+    ap.add_argument("--threads", type=int, default=plan_cpus(CpuConfig()).engine_threads,
+                    help="torch threads for the in-process engine (default: what serve gives its core)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    torch.set_num_threads(args.threads)
     modes = {"process": [True], "thread": [False], "both": [True, False], "none": []}[args.server_mode]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as d:
@@ -190,7 +199,9 @@ def main() -> None:
             paths["24m"] = str(Path(d) / "llama24m")
         for name in args.models.split(","):
             for b in batches:
-                row: dict[str, Any] = {"model": name, "batch": b, "engine": engine_breakdown(paths[name], b)}
+                row: dict[str, Any] = {"model": name, "batch": b}
+                if args.engine:
+                    row["engine"] = engine_breakdown(paths[name], b)
                 for proc in modes:
                     row["server_" + ("process" if proc else "thread")] = server_breakdown(
                         paths[name], b, proc, args.serve_args.split())
@@ -200,7 +211,7 @@ def main() -> None:
           f"decode steps of {PROMPT}-token prompts, {NEW} new tokens; ms per step")
     head = f"{'model':<12}{'batch':>6}" + "".join(f"{c:>11}" for c in (*ENGINE_COLUMNS, "step", "tok/s"))
     print("engine (LLM in this process)\n" + head)
-    for r in rows:
+    for r in (r for r in rows if "engine" in r):
         e = r["engine"]
         print(f"{r['model']:<12}{r['batch']:>6}" + "".join(f"{e[c]:>11.3f}" for c in (*ENGINE_COLUMNS, "step"))
               + f"{e['tok_s']:>11.0f}")

@@ -31,10 +31,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenslice.config import EngineConfig
+from tokenslice.config import CpuConfig, EngineConfig
 from tokenslice.engine.async_engine import (EngineDeadError, EngineFaultError, OutputObserver, RequestStream,
                                             StreamAdmission)
 from tokenslice.engine.core import run_engine_core
+from tokenslice.engine.cpus import CpuPlan, plan_cpus
 from tokenslice.engine.core_messages import (Abort, AddRequest, CoreMessage, CoreOutput, Fatal, Ready, Refusal,
                                              SetPriority, Shutdown, StartupFailed, StateQuery)
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
@@ -90,8 +91,9 @@ def _stop_core(process: Any) -> None:
 
 class EngineCoreClient(StreamAdmission):
     def __init__(self, config: EngineConfig, *, max_waiting: int = 1024, observer: OutputObserver | None = None,
-                 log_level: int = logging.INFO) -> None:
-        """Start the core and wait until its engine is built; raises EngineStartupError if it cannot."""
+                 log_level: int = logging.INFO, cpus: CpuPlan | None = None) -> None:
+        """Start the core and wait until its engine is built; raises EngineStartupError if it cannot.
+        `cpus`: the engine's CPUs and threads (default: CpuConfig's split of this process's CPUs)."""
         super().__init__(max_waiting)
         config.validate()
         self.observer = observer  # called in the event loop for every output of the core (metrics)
@@ -106,7 +108,8 @@ class EngineCoreClient(StreamAdmission):
         self._from_core.bind(addresses[1])
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(target=run_engine_core, name="tokenslice-engine-core", daemon=False,
-                                     args=(msgspec.msgpack.encode(config), *addresses, log_level))
+                                     args=(msgspec.msgpack.encode(config), *addresses, log_level,
+                                           cpus or plan_cpus(CpuConfig())))
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self.process.start()
