@@ -50,18 +50,20 @@ def file_name(n: int) -> str:
     return f"fastserve_fig11b_n{n}.json"
 
 
-def runner(dataset: str, policy: str, preemption: str, n: int) -> Runner:
-    cost = load_cost_model(PROFILE)
+def runner(dataset: str, policy: str, preemption: str, n: int, profile: str = PROFILE, cv: float = 1.0,
+           seeds: tuple[int, ...] = (SEED,)) -> Runner:
+    """`cv`: of the inter-arrival times (1: Poisson)."""
+    cost = load_cost_model(profile)
     cost.check_fits()
-    spec = SweepSpec(workload=dataset, policies=[policy], preemption=preemption, rates=[1.0], seeds=[SEED],
+    spec = SweepSpec(workload=dataset, policies=[policy], preemption=preemption, rates=[1.0], seeds=list(seeds), cv=cv,
                      num_requests=n, max_batch_size=16, kv_cache_blocks=cost.kv_capacity_tokens() // BLOCK,
                      block_size=BLOCK, **{**DATASETS[dataset], "dataset": str(held_out_file(dataset))},
                      length_predictor=str(SPLITS[dataset][2]) if policy == "srpt-predicted" else None)
     return Runner(spec, cost)
 
 
-def simulate(dataset: str, n: int) -> dict[str, Any]:
-    runners = {policy: runner(dataset, policy, preemption, n) for policy, preemption in VARIANTS}
+def simulate(dataset: str, n: int, profile: str = PROFILE) -> dict[str, Any]:
+    runners = {policy: runner(dataset, policy, preemption, n, profile) for policy, preemption in VARIANTS}
     sat = runners["fcfs"].saturation(SEED)
     rates = [round(sat * x, 4) for x in LOADS]
     log(f"{dataset}: fcfs saturation {sat:.3f} req/s; rates {rates}")
@@ -110,7 +112,7 @@ def table(name: str, res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, Any]]) -> str:
+def plot(results: dict[str, dict[str, Any]], profile: str = PROFILE, file: str = "fastserve_fig11b.png") -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -126,9 +128,9 @@ def plot(results: dict[str, dict[str, Any]]) -> str:
         ax.set_yscale("log")
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel("mean normalized latency (s/token)")
-        ax.set_title(f"{name}, {PROFILE}")
+        ax.set_title(f"{name}, {profile}")
         ax.legend(fontsize=8)
-    return save_figure(fig, "fastserve_fig11b.png")
+    return save_figure(fig, file)
 
 
 def main() -> None:

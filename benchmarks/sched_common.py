@@ -95,6 +95,11 @@ class Runner:
         self.runs: dict[tuple[str, float, int], dict[str, Any]] = {}
         self.wall: dict[tuple[str, float, int], float] = {}
 
+    def set_saturation(self, seed: int, rps: float) -> None:
+        """fcfs's saturation measured elsewhere on the same at-once workload (only the arrival
+        process or the policy differs), e.g. in another process."""
+        self._sat[seed] = rps
+
     def saturation(self, seed: int) -> float:
         if seed not in self._sat:
             self._sat[seed] = fcfs_saturation_rps(self.cost, self.at_once[seed],

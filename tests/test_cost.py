@@ -295,3 +295,51 @@ def test_simulator_refuses_model_that_does_not_fit() -> None:
     with pytest.raises(ValueError, match="opt-66b@a100-40gb does not fit"):
         Engine.simulated(SchedulerConfig(policy="fcfs"), load_cost_model("opt-66b@a100-40gb"), kv_cache_blocks=64)
     Engine.simulated(SchedulerConfig(policy="fcfs"), load_cost_model("opt-66b@a100-40gb:tp4"), kv_cache_blocks=64)
+
+
+def test_pipeline_stages_split_layers_and_cross_nodes() -> None:
+    """:ppM: each stage computes its share of the layers; the batch crosses M-1 stage boundaries,
+    over the node network when the stages do not fit one server (FastServe's 2 x p4d)."""
+    pp = load_cost_model("opt-175b@a100-40gb:tp8:pp2")
+    assert isinstance(pp, RooflineCostModel)
+    assert pp.name == "opt-175b@a100-40gb:tp8:pp2" and pp.pipeline_parallel == 2 and pp.num_gpus == 16
+    assert CostModel.from_dict(pp.to_dict()).name == pp.name
+    hw = HARDWARE_SPECS["a100-40gb"]
+    tokens = 512
+    assert pp.p2p_seconds(tokens) == pytest.approx(hw.node_link_latency_s + tokens * 12288 * 2 / hw.node_link_bandwidth)
+    for shape in (BatchShape.from_lengths(prefill=[(tokens, 0)]), BatchShape.from_lengths(decode=[600] * 16)):
+        stages = pp.stage_seconds(shape)
+        assert len(stages) == 2 and all(s > 0 for s in stages)
+        assert pp.iteration_seconds(shape) == pytest.approx(sum(stages) + pp.p2p_seconds(shape.num_tokens))
+        # The same TP group computing every layer: what the stages add up to, less the send.
+        one = RooflineCostModel(pp.model, hw, 8).iteration_seconds(shape)
+        assert sum(stages) == pytest.approx(one)
+        assert max(stages) < 0.6 * one
+    assert pp.stage_seconds(BatchShape()) == [0.0, 0.0] and pp.iteration_seconds(BatchShape()) == 0.0
+    # Four stages inside one 8-GPU node send over NVLink: cheaper than the network.
+    inside = load_cost_model("opt-66b@a100-40gb:tp2:pp4")
+    assert inside.p2p_seconds(tokens) == pytest.approx(hw.allreduce_latency_s + tokens * 9216 * 2 / hw.interconnect_bandwidth)
+    # Uneven split: the first stages take one layer more.
+    three = load_cost_model("opt-66b@a100-40gb:tp2:pp3")
+    shape = BatchShape.from_lengths(decode=[100])
+    first, middle, last = three.stage_seconds(shape)
+    assert first > middle  # 22 layers and the embedding's all-reduce against 21 layers
+    assert load_cost_model("opt-66b@a100-40gb:pp1").name == "opt-66b@a100-40gb"
+
+
+def test_pipeline_fit_check_divides_weights_over_all_gpus() -> None:
+    """Weights per GPU = total / (TP x PP); the hint names the TP x PP that fits."""
+    eight = load_cost_model("opt-175b@a100-40gb:tp8")
+    sixteen = load_cost_model("opt-175b@a100-40gb:tp8:pp2")
+    assert isinstance(eight, RooflineCostModel) and isinstance(sixteen, RooflineCostModel)
+    assert sixteen.weight_bytes_per_gpu() == pytest.approx(eight.weight_bytes_per_gpu() / 2)
+    with pytest.raises(ValueError, match=r"does not fit.*opt-175b@a100-40gb:tp8:pp2"):
+        eight.check_fits()
+    sixteen.check_fits()
+    assert sixteen.kv_capacity_tokens() > 2048
+    # Swaps: every GPU of every stage copies its own shard over its own host link.
+    assert sixteen.transfer.bytes_per_s == pytest.approx(16 * HARDWARE_SPECS["a100-40gb"].host_link_bandwidth)
+    with pytest.raises(ValueError, match="pipeline_parallel"):
+        load_cost_model("opt-13b@a100-40gb:pp41")
+    with pytest.raises(ValueError, match=":ppM"):
+        load_cost_model("opt-13b@a100-40gb:pp")

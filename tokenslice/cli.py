@@ -518,9 +518,10 @@ def add_simulation_subcommands(sub: Any) -> None:
     def flag(name: str, **kwargs: Any) -> None:
         add_field_flag(m, SweepSpec, name, **kwargs)
 
-    m.add_argument("--profile", required=True, help="cost model: model@hardware[:tpN][:nvlink|:pcie] (e.g. "
+    m.add_argument("--profile", required=True, help="cost model: model@hardware[:tpN][:ppM][:nvlink|:pcie] (e.g. "
                    "opt-13b@a100-40gb, opt-66b@a100-40gb:tp4: tensor parallel over the card's own GPU link, "
-                   "or over PCIe with :pcie) or a profile .json from `tokenslice profile`")
+                   "or over PCIe with :pcie; opt-175b@a100-40gb:tp8:pp2: two pipeline stages of 8 GPUs, one "
+                   "batch in flight per stage) or a profile .json from `tokenslice profile`")
     flag("workload", required=True, choices=list(WORKLOAD_NAMES))
     flag("dataset", help="dataset file or directory (alpaca/sharegpt workloads)")
     flag("tokenizer", help="tokenizer directory that counts dataset tokens")

@@ -103,6 +103,11 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not self.prefill and not self.decode
 
+    @property
+    def has_work(self) -> bool:
+        """Anything for an executor to do: compute, copies or drops (`finished` alone is not)."""
+        return not self.is_empty or bool(self.swap_in or self.swap_out or self.async_transfers or self.drop)
+
 
 @dataclass
 class StepResult:
@@ -119,3 +124,6 @@ class StepResult:
     # token's, and the prompt positions of SeqSlice.prompt_logprob_targets.
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Simulator with several plans in flight: the virtual time this result is ready (their
+    # step_seconds overlap, so they cannot place it on the clock); None: ready when returned.
+    done_at: float | None = None

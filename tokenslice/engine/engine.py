@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from tokenslice.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
 from tokenslice.engine.step_trace import StepTraceWriter, step_record
 from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
+from tokenslice.exec.sim_pipeline import PipelinedSimulatedExecutor
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestError, Request, RequestOutput,
@@ -45,7 +47,7 @@ class StepTimings:
 class Executor(Protocol):
     """Runs plans (DESIGN.md, Executor). `submit` hands over a plan and `poll` returns the
     oldest submitted plan's result, so several plans may be in flight (pipeline parallelism);
-    `execute(plan)` is submit + poll, what the engine loop calls."""
+    `execute(plan)` is submit + poll, what the engine loop calls with one plan in flight."""
 
     def submit(self, plan: StepPlan) -> None: ...
 
@@ -141,7 +143,8 @@ def tokenize_prompt(tokenizer: Any | None, prompt: str | list[int]) -> list[int]
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, *, tokenizer: Any | None,
                  clock: RealClock | VirtualClock, max_model_len: int, vocab_size: int,
-                 eos_token_ids: list[int], model_name: str = "") -> None:
+                 eos_token_ids: list[int], model_name: str = "", max_in_flight: int = 1) -> None:
+        """`max_in_flight`: plans the executor may hold at once (its pipeline stages)."""
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -165,6 +168,8 @@ class Engine:
         # Off in the engine-core process: the API server detokenizes and applies stop strings there.
         self.detokenize = True
         self.step_trace: StepTraceWriter | None = None  # --step-trace: one record per real step
+        self.max_in_flight = max_in_flight
+        self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -235,9 +240,11 @@ class Engine:
                   block_size: int = 16, max_model_len: int = 1 << 30, host_kv_blocks: int = 0,
                   offload_dtype: str = "auto",
                   enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-                  block_groups: bool = CacheConfig.block_groups) -> Engine:
+                  block_groups: bool = CacheConfig.block_groups, max_in_flight: int | None = None) -> Engine:
         """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
-        iteration times (and swap copy times) from the cost model instead of a model."""
+        iteration times (and swap copy times) from the cost model instead of a model. A cost
+        model with pipeline stages (`:ppM`) gets the pipelined executor, `max_in_flight` batches
+        in the pipe (default one per stage)."""
         swapping = PREEMPTION_STRATEGIES[config.preemption].uses_host_tier
         kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0,
                        contiguous=swapping and block_groups, prefix_caching=enable_prefix_caching)
@@ -246,9 +253,13 @@ class Engine:
         clock = VirtualClock()
         block_bytes = offload_block_bytes(block_size, cost.kv_bytes_per_token, offload_dtype)
         scheduler = Scheduler(config, policy, kv, ctx, swap_block_bytes=block_bytes)
-        engine = cls(scheduler, SimulatedExecutor(cost, clock, block_bytes), tokenizer=None, clock=clock,
-                     max_model_len=max_model_len, vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name)
-        engine.fast_forward = True
+        pipelined = cost.pipeline_parallel > 1
+        executor = (PipelinedSimulatedExecutor(cost, clock, block_bytes, max_in_flight) if pipelined
+                    else SimulatedExecutor(cost, clock, block_bytes))
+        engine = cls(scheduler, executor, tokenizer=None, clock=clock, max_model_len=max_model_len,
+                     vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name,
+                     max_in_flight=executor.max_in_flight if pipelined else 1)
+        engine.fast_forward = not pipelined  # bulk repeats assume one batch at a time
         return engine
 
     # ---- requests ---------------------------------------------------------------------------
@@ -333,7 +344,8 @@ class Engine:
         return self.scheduler.abort(request_id, self.clock.now()) is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Live requests, or plans still in flight (of requests aborted meanwhile)."""
+        return self.scheduler.has_unfinished() or bool(self._pipe)
 
     def state(self) -> dict[str, Any]:
         """The scheduler as plain data for a live view (sched/snapshot.py): ids and counts, no text."""
@@ -358,6 +370,8 @@ class Engine:
         event: a finish, a policy change, KV growth that no longer fits, `horizon` (the next
         arrival) or `max_steps` steps (the next priority update). `produced` then lists each
         request once."""
+        if self.max_in_flight > 1:
+            return self._advance_pipelined(horizon)
         t0 = time.perf_counter()
         plan = self.scheduler.schedule(self.clock.now())
         t1 = time.perf_counter()
@@ -369,8 +383,44 @@ class Engine:
                 self.timings.update_s += time.perf_counter() - t1
                 return ran, finished
         result = self.executor.execute(plan)
-        t2 = time.perf_counter()
         self.clock.advance(result.step_seconds)
+        return self._apply(plan, result, t0, t1)
+
+    def _advance_pipelined(self, horizon: float) -> tuple[list[Request], list[Request]]:
+        """Pipeline stages (FastServe §4.3): submit batches of pending jobs while the pipe has
+        room (the scheduler leaves out jobs whose token is in it), then take back the oldest
+        batch: its tokens, finishes, and the policy's charge (a job whose quantum ran out in
+        flight is demoted now). In the simulator a request arriving while the pipe has room is
+        admitted before the oldest batch returns, as a real loop would."""
+        ex, sched = self.executor, self.scheduler
+        t0 = time.perf_counter()
+        while len(self._pipe) < self.max_in_flight:
+            plan = sched.schedule(self.clock.now())
+            if self._pipe and not plan.has_work:
+                sched.keep_released(plan)
+                break
+            ex.submit(plan)
+            self._pipe.append(plan)
+            if not plan.has_work:
+                break  # nothing could start: wait for what the executor is doing
+        t1 = time.perf_counter()
+        if isinstance(ex, PipelinedSimulatedExecutor) and len(self._pipe) < self.max_in_flight:
+            ready = ex.next_ready()
+            if ready is not None and horizon < ready:
+                self.clock.advance_to(horizon)
+                self.timings.schedule_s += t1 - t0
+                return [], []
+        result = ex.poll()
+        plan = self._pipe.popleft()
+        if result.done_at is not None:
+            self.clock.advance_to(result.done_at)
+        return self._apply(plan, result, t0, t1)
+
+    def _apply(self, plan: StepPlan, result: StepResult, t0: float, t1: float
+               ) -> tuple[list[Request], list[Request]]:
+        """A plan's result into the scheduler (tokens, finishes), the detokenizers, the length
+        predictor and the step trace; `t0`/`t1`: when its scheduling began and ended."""
+        t2 = time.perf_counter()
         self.num_steps += 1
         now = self.clock.now()
         produced = self.scheduler.update(plan, result, now)

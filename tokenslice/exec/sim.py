@@ -79,8 +79,12 @@ class SimulatedExecutor(ImmediateExecutor):
     def close(self) -> None:
         pass  # nothing runs in the background
 
-    def run(self, plan: StepPlan) -> StepResult:
-        t0 = self.clock.now() if self.clock is not None else 0.0
+    def now(self) -> float:
+        return self.clock.now() if self.clock is not None else 0.0
+
+    def start_copies(self, plan: StepPlan, t0: float) -> float:
+        """Queue the plan's copies on the link at `t0`; returns its synchronous copy seconds
+        (async copies start after them and overlap compute)."""
         out_s, in_s = self.copy_seconds(plan.swap_out), self.copy_seconds(plan.swap_in)
         sync_s = out_s + in_s  # swap-ins may land in blocks the swap-outs free: one after the other
         for direction, d in (("out", out_s), ("in", in_s)):
@@ -93,14 +97,31 @@ class SimulatedExecutor(ImmediateExecutor):
             self._link_free[t.direction] = done
             heapq.heappush(self._pending, (done, self._order, t.request_id, copy_s))
             self._order += 1
-        sampled = {s.request_id: PLACEHOLDER_TOKEN for s in plan.slices if s.sample}
-        step = sync_s + (0.0 if plan.is_empty else self.cost.iteration_seconds(self.shape(plan)))
-        if step == 0.0 and self._pending:  # nothing to compute: wait for the next copy
-            step = max(0.0, self._pending[0][0] - t0)
+        return sync_s
+
+    def next_copy_done(self) -> float | None:
+        """When the earliest async copy in flight lands; None if none is."""
+        return self._pending[0][0] if self._pending else None
+
+    def take_copies_done(self, until: float) -> tuple[list[str], dict[str, float]]:
+        """Async copies landed by `until`: request ids in completion order, and their copy seconds."""
         done_ids, durations = [], {}
-        while self._pending and self._pending[0][0] <= t0 + step:
+        while self._pending and self._pending[0][0] <= until:
             _, _, rid, copy_s = heapq.heappop(self._pending)
             done_ids.append(rid)
             durations[rid] = copy_s
-        return StepResult(sampled=sampled, step_seconds=step, transfer_seconds=sync_s, transfers_done=done_ids,
-                          transfer_durations=durations)
+        return done_ids, durations
+
+    @staticmethod
+    def sampled(plan: StepPlan) -> dict[str, int]:
+        return {s.request_id: PLACEHOLDER_TOKEN for s in plan.slices if s.sample}
+
+    def run(self, plan: StepPlan) -> StepResult:
+        t0 = self.now()
+        sync_s = self.start_copies(plan, t0)
+        step = sync_s + (0.0 if plan.is_empty else self.cost.iteration_seconds(self.shape(plan)))
+        if step == 0.0 and self._pending:  # nothing to compute: wait for the next copy
+            step = max(0.0, self._pending[0][0] - t0)
+        done_ids, durations = self.take_copies_done(t0 + step)
+        return StepResult(sampled=self.sampled(plan), step_seconds=step, transfer_seconds=sync_s,
+                          transfers_done=done_ids, transfer_durations=durations)

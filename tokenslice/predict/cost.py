@@ -9,7 +9,10 @@ Two sources behind one interface:
   decodes one sequence in ~23 ms and prefills a lone 512-token prompt in ~80 ms, the reference
   values the project's issues quote. With tensor parallelism (`:tpN`) every GPU computes and
   reads 1/N of the weights and KV, and the iteration pays Megatron-style ring collectives over
-  the GPU link (`tp_comm_seconds`; `:nvlink` or `:pcie`, default the card's own).
+  the GPU link (`tp_comm_seconds`; `:nvlink` or `:pcie`, default the card's own). With pipeline
+  parallelism (`:ppM`) the layers split into M stages of TP groups (`stage_seconds`), and a
+  batch's activations cross each stage boundary point to point (`p2p_seconds`): over the GPU
+  link when all stages fit one node, over the node's network otherwise.
 - `ProfileCostModel` — fitted: a non-negative linear model over batch features measured on this
   machine (ALISE §3.1: iteration time is linear in the batch's token counts), built by
   `fit_profile` from (BatchShape, seconds) samples and stored as JSON.
@@ -97,6 +100,14 @@ class HardwareSpec:
     pcie_allreduce_latency_s: float = 30e-6  # one all-reduce through the PCIe switch / host bridge
     compute_efficiency: float = 0.54  # achieved / peak FLOP/s (calibrated, see module doc)
     memory_efficiency: float = 0.80  # achieved / peak memory bandwidth (calibrated)
+    gpus_per_node: int = 8  # one server's GPUs: pipeline stages beyond it talk over the network
+    # Between nodes (pipeline stage boundaries): the server's network in B/s per direction, and
+    # the fixed cost of one point-to-point send. Default: AWS p4d.24xlarge (8 x A100-40GB, FastServe
+    # §5's two-node setting), "400 Gbps instance networking" over EFA (aws.amazon.com/ec2/
+    # instance-types/p4/) = 50 GB/s. The latency is an estimate of one small NCCL send over EFA
+    # (tens of microseconds; no datasheet states it).
+    node_link_bandwidth: float = 50e9
+    node_link_latency_s: float = 20e-6
 
 
 @dataclass(frozen=True)
@@ -148,9 +159,10 @@ HARDWARE_SPECS: dict[str, HardwareSpec] = {
                               host_link_bandwidth=25e9, memory_bytes=40e9, interconnect_bandwidth=300e9),
     "a100-80gb": HardwareSpec("a100-80gb", matmul_flops=312e12, memory_bandwidth=2.039e12,
                               host_link_bandwidth=25e9, memory_bytes=80e9, interconnect_bandwidth=300e9),
+    # Nodes: AWS p5.48xlarge, 3,200 Gbps EFA (aws.amazon.com/ec2/instance-types/p5/) = 400 GB/s.
     "h100": HardwareSpec("h100", matmul_flops=989e12, memory_bandwidth=3.35e12,
                          host_link_bandwidth=50e9, memory_bytes=80e9, interconnect_bandwidth=450e9,
-                         pcie_bandwidth=64e9),
+                         pcie_bandwidth=64e9, node_link_bandwidth=400e9),
     "v100": HardwareSpec("v100", matmul_flops=125e12, memory_bandwidth=0.9e12,
                          host_link_bandwidth=12e9, memory_bytes=32e9, interconnect_bandwidth=150e9,
                          pcie_bandwidth=16e9),
@@ -216,6 +228,7 @@ class CostModel(ABC):
     """Seconds per iteration and per transfer. Subclasses: RooflineCostModel, ProfileCostModel."""
 
     kind: str = ""
+    pipeline_parallel: int = 1  # stages a batch passes through in turn (`stage_seconds`)
 
     @property
     @abstractmethod
@@ -242,6 +255,15 @@ class CostModel(ABC):
     def check_fits(self) -> None:
         """ValueError when the model cannot run on the hardware this cost model describes (the
         simulator refuses it). A measured profile ran, so it fits."""
+
+    def stage_seconds(self, shape: BatchShape) -> list[float]:
+        """Seconds each pipeline stage computes `shape`, first stage first (one stage: the
+        iteration). `iteration_seconds` = their sum + the point-to-point sends between them."""
+        return [self.iteration_seconds(shape)]
+
+    def p2p_seconds(self, num_tokens: int) -> float:
+        """Sending `num_tokens` tokens' activations from one pipeline stage to the next."""
+        return 0.0
 
     def first_iteration_seconds(self, prompt_len: int) -> float:
         """A lone prefill of `prompt_len` tokens: FastServe §4.1 skip-join picks the entry queue by it."""
@@ -280,10 +302,14 @@ class RooflineCostModel(CostModel):
     kind = "roofline"
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, tensor_parallel: int = 1,
-                 link: str | None = None) -> None:
-        """`link`: the GPU<->GPU link tensor parallelism uses, one of LINKS; None: the card's own."""
+                 link: str | None = None, pipeline_parallel: int = 1) -> None:
+        """`link`: the GPU<->GPU link tensor parallelism uses, one of LINKS; None: the card's own.
+        `pipeline_parallel`: stages of `tensor_parallel` GPUs each, a contiguous share of the layers."""
         if tensor_parallel < 1:
             raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+        if not 1 <= pipeline_parallel <= model.num_layers:
+            raise ValueError(f"pipeline_parallel must be in [1, {model.num_layers}] (the layers of "
+                             f"{model.name}), got {pipeline_parallel}")
         if link is not None and link not in LINKS:
             raise ValueError(f"unknown link {link!r}; choose from {', '.join(LINKS)}")
         if link == "nvlink" and not hardware.nvlink:
@@ -291,14 +317,17 @@ class RooflineCostModel(CostModel):
         self.model = model
         self.hardware = hardware
         self.tensor_parallel = tensor_parallel
+        self.pipeline_parallel = pipeline_parallel
         self.link = link or ("nvlink" if hardware.nvlink else "pcie")
         # Each GPU copies its own KV shard over its own host link, so links add up.
-        self.transfer = TransferSpec(hardware.host_link_bandwidth * tensor_parallel, hardware.transfer_op_overhead_s)
+        self.transfer = TransferSpec(hardware.host_link_bandwidth * tensor_parallel * pipeline_parallel,
+                                     hardware.transfer_op_overhead_s)
         self._constants()
 
     @property
     def name(self) -> str:
         suffix = f":tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        suffix += f":pp{self.pipeline_parallel}" if self.pipeline_parallel > 1 else ""
         if self.tensor_parallel > 1 and self.link == "pcie" and self.hardware.nvlink:
             suffix += ":pcie"  # only a link other than the card's own is named
         return f"{self.model.name}@{self.hardware.name}{suffix}"
@@ -333,12 +362,46 @@ class RooflineCostModel(CostModel):
         self._gather_s_per_byte = (tp - 1) / tp / link_bw
         self._act_bytes_per_token = m.hidden_size * m.bytes_per_param
         self._logit_bytes_per_seq = m.vocab_size * m.bytes_per_param
+        # Pipeline stages: contiguous layer ranges, the first ones one layer longer when uneven.
+        pp = self.pipeline_parallel
+        self._stage_layers = [m.num_layers // pp + (i < m.num_layers % pp) for i in range(pp)]
+        # Stage to stage: a TP group's activations go once (Megatron-LM's scatter/gather, Narayanan
+        # et al. 2021 §4.1); over the server's network when the stages do not fit one node.
+        across_nodes = tp * pp > hw.gpus_per_node
+        self._p2p_s_per_byte = 1.0 / (hw.node_link_bandwidth if across_nodes else link_bw)
+        self._p2p_latency = hw.node_link_latency_s if across_nodes else self._link_latency
 
     def iteration_seconds(self, shape: BatchShape) -> float:
         tokens = shape.prefill_tokens + shape.decode_seqs
         if tokens == 0:
             return 0.0
+        if self.pipeline_parallel > 1:
+            return sum(self.stage_seconds(shape)) + (self.pipeline_parallel - 1) * self.p2p_seconds(tokens)
         m, hw, tp = self.model, self.hardware, self.tensor_parallel
+        per_layer, head, seqs = self._layer_and_head(shape, tokens)
+        comm = self.tp_comm_seconds(tokens, seqs) if tp > 1 else 0.0
+        return m.num_layers * per_layer + head + comm + hw.iteration_overhead_s
+
+    def stage_seconds(self, shape: BatchShape) -> list[float]:
+        """Each stage: its layers with their two all-reduces each; the first adds the embedding's
+        all-reduce, the last the LM head, its logits gather and the per-iteration overhead."""
+        tokens = shape.prefill_tokens + shape.decode_seqs
+        if tokens == 0:
+            return [0.0] * self.pipeline_parallel
+        per_layer, head, seqs = self._layer_and_head(shape, tokens)
+        allreduce, gather = self._collectives(tokens, seqs) if self.tensor_parallel > 1 else (0.0, 0.0)
+        out = [n * (per_layer + 2 * allreduce) for n in self._stage_layers]
+        out[0] += allreduce
+        out[-1] += head + gather + self.hardware.iteration_overhead_s
+        return out
+
+    def p2p_seconds(self, num_tokens: int) -> float:
+        if self.pipeline_parallel == 1 or num_tokens <= 0:
+            return 0.0
+        return self._p2p_latency + num_tokens * self._act_bytes_per_token * self._p2p_s_per_byte
+
+    def _layer_and_head(self, shape: BatchShape, tokens: int) -> tuple[float, float, int]:
+        """(one decoder layer's seconds on one GPU, the LM head's, sequences sampled)."""
         # Dense matmuls: weights are read once per iteration however many tokens share them, which
         # is why batching decode is nearly free until the batch becomes compute-bound.
         dense = self._op_seconds(self._dense_flops_per_token * tokens, self._dense_bytes)
@@ -350,8 +413,7 @@ class RooflineCostModel(CostModel):
         per_layer = dense + attn + self._fixed_per_layer
         # LM head: one logits row per sampled sequence, but the whole vocab matrix is read.
         head = self._op_seconds(self._head_flops_per_seq * seqs, self._head_bytes)
-        comm = self.tp_comm_seconds(tokens, seqs) if tp > 1 else 0.0
-        return m.num_layers * per_layer + head + comm + hw.iteration_overhead_s
+        return per_layer, head, seqs
 
     def tp_comm_seconds(self, tokens: int, seqs: int) -> float:
         """Tensor-parallel communication of one iteration (Megatron-LM §3): the vocab-parallel
@@ -360,21 +422,31 @@ class RooflineCostModel(CostModel):
         sequence's logits. 0.0 at tp1."""
         if self.tensor_parallel == 1 or tokens == 0:
             return 0.0
+        allreduce, gather = self._collectives(tokens, seqs)
+        return (2 * self.model.num_layers + 1) * allreduce + gather
+
+    def _collectives(self, tokens: int, seqs: int) -> tuple[float, float]:
+        """(one all-reduce of the step's activations, the gather of its logits rows)."""
         act = tokens * self._act_bytes_per_token
         allreduce = self._link_latency + act * self._allreduce_s_per_byte
         gather = self._link_latency + seqs * self._logit_bytes_per_seq * self._gather_s_per_byte
-        return (2 * self.model.num_layers + 1) * allreduce + gather
+        return allreduce, gather
 
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
         return self.transfer.seconds(num_bytes, num_ops)
 
+    @property
+    def num_gpus(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
     def weight_bytes_per_gpu(self) -> float:
-        return self.model.derived_params * self.model.bytes_per_param / self.tensor_parallel
+        """Each GPU holds 1/TP of its stage's 1/PP share of the weights."""
+        return self.model.derived_params * self.model.bytes_per_param / self.num_gpus
 
     def kv_capacity_tokens(self, memory_fraction: float = MEMORY_FRACTION) -> int:
         """Tokens of KV that fit beside the weights in `memory_fraction` of each GPU's memory."""
         free = self.hardware.memory_bytes * memory_fraction - self.weight_bytes_per_gpu()
-        per_token_per_gpu = self.kv_bytes_per_token / self.tensor_parallel
+        per_token_per_gpu = self.kv_bytes_per_token / self.num_gpus
         return max(int(free // per_token_per_gpu), 0)
 
     def check_fits(self) -> None:
@@ -383,22 +455,25 @@ class RooflineCostModel(CostModel):
             return
         hw = self.hardware
         need = self.weight_bytes_per_gpu() / 1e9
-        fits = next((t for t in (2, 4, 8, 16, 32, 64) if t > self.tensor_parallel and
-                     RooflineCostModel(self.model, hw, t, self.link).kv_capacity_tokens() > 0), None)
-        hint = f"; shard it over more GPUs, e.g. {self.model.name}@{hw.name}:tp{fits}" if fits else ""
+        # More GPUs: tensor parallel inside a node first, then pipeline stages across nodes (FastServe §5).
+        options = [(min(g, hw.gpus_per_node), max(g // hw.gpus_per_node, 1)) for g in (2, 4, 8, 16, 32, 64)]
+        fits = next((f":tp{t}" + (f":pp{p}" if p > 1 else "") for t, p in options if t * p > self.num_gpus and
+                     RooflineCostModel(self.model, hw, t, self.link, p).kv_capacity_tokens() > 0), None)
+        hint = f"; shard it over more GPUs, e.g. {self.model.name}@{hw.name}{fits}" if fits else ""
         raise ValueError(f"{self.name} does not fit: {need:.1f} GB of weights per GPU leave no room for KV "
                          f"in {MEMORY_FRACTION:.0%} of the {hw.memory_bytes / 1e9:.0f} GB of one "
                          f"{hw.name}{hint}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "name": self.name, "model": asdict(self.model),
-                "hardware": asdict(self.hardware), "tensor_parallel": self.tensor_parallel, "link": self.link}
+                "hardware": asdict(self.hardware), "tensor_parallel": self.tensor_parallel, "link": self.link,
+                "pipeline_parallel": self.pipeline_parallel}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RooflineCostModel:
         return cls(ModelSpec(**_known_fields(ModelSpec, data["model"])),
                    HardwareSpec(**_known_fields(HardwareSpec, data["hardware"])),
-                   int(data.get("tensor_parallel", 1)), data.get("link"))
+                   int(data.get("tensor_parallel", 1)), data.get("link"), int(data.get("pipeline_parallel", 1)))
 
 
 # Feature order of the fitted profile; names are the JSON coefficient keys.
@@ -424,11 +499,16 @@ class ProfileCostModel(CostModel):
 
     def __init__(self, coefficients: dict[str, float], transfer: TransferSpec, kv_bytes_per_token: int,
                  model: str = "unknown", device: str = "unknown", samples: int = 0,
-                 r2: float | None = None, tensor_parallel: int = 1) -> None:
+                 r2: float | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                 p2p: TransferSpec | None = None, activation_bytes_per_token: int = 0) -> None:
         """`tensor_parallel`: GPUs the measured engine sharded the model over (its iteration times
-        include their collectives; KV bytes per token are the whole model's)."""
-        if tensor_parallel < 1:
-            raise ValueError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
+        include their collectives; KV bytes per token are the whole model's).
+        `pipeline_parallel`: stages the measured pass went through, one batch at a time; a stage
+        takes an equal share of it less the sends between stages, each `p2p` (per send, per byte)
+        for `activation_bytes_per_token` bytes a token."""
+        if tensor_parallel < 1 or pipeline_parallel < 1:
+            raise ValueError(f"tensor_parallel and pipeline_parallel must be >= 1, got {tensor_parallel}, "
+                             f"{pipeline_parallel}")
         missing = [k for k in PROFILE_FEATURES if k not in coefficients and k not in OPTIONAL_FEATURES]
         if missing:
             raise ValueError(f"profile coefficients missing {missing}; need {list(PROFILE_FEATURES)}")
@@ -441,10 +521,14 @@ class ProfileCostModel(CostModel):
         self.samples = samples
         self.r2 = r2
         self.tensor_parallel = tensor_parallel
+        self.pipeline_parallel = pipeline_parallel
+        self.p2p = p2p or TransferSpec(float("inf"), 0.0)
+        self.activation_bytes_per_token = int(activation_bytes_per_token)
 
     @property
     def name(self) -> str:
         suffix = f":tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
+        suffix += f":pp{self.pipeline_parallel}" if self.pipeline_parallel > 1 else ""
         return f"{self.model}@{self.device}{suffix}"
 
     @property
@@ -456,24 +540,40 @@ class ProfileCostModel(CostModel):
             return 0.0
         return max(float(np.dot(self._weights, profile_features(shape))), 0.0)
 
+    def stage_seconds(self, shape: BatchShape) -> list[float]:
+        m = self.pipeline_parallel
+        compute = self.iteration_seconds(shape) - (m - 1) * self.p2p_seconds(shape.num_tokens)
+        return [max(compute, 0.0) / m] * m
+
+    def p2p_seconds(self, num_tokens: int) -> float:
+        if self.pipeline_parallel == 1 or num_tokens <= 0:
+            return 0.0
+        return self.p2p.seconds(num_tokens * self.activation_bytes_per_token)
+
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
         return self.transfer.seconds(num_bytes, num_ops)
 
     def to_dict(self) -> dict[str, Any]:
+        pipeline = {} if self.pipeline_parallel == 1 else {
+            "pipeline_parallel": self.pipeline_parallel, "activation_bytes_per_token": self.activation_bytes_per_token,
+            "p2p": {"bytes_per_s": self.p2p.bytes_per_s, "op_overhead_s": self.p2p.op_overhead_s}}
         return {"kind": self.kind, "model": self.model, "device": self.device,
                 "coefficients": dict(self.coefficients),
                 "transfer": {"bytes_per_s": self.transfer.bytes_per_s, "op_overhead_s": self.transfer.op_overhead_s},
                 "kv_bytes_per_token": self.kv_bytes_per_token, "samples": self.samples, "r2": self.r2,
-                "tensor_parallel": self.tensor_parallel}
+                "tensor_parallel": self.tensor_parallel, **pipeline}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProfileCostModel:
-        t = data["transfer"]
+        t, p2p = data["transfer"], data.get("p2p")
         return cls(coefficients=data["coefficients"],
                    transfer=TransferSpec(float(t["bytes_per_s"]), float(t["op_overhead_s"])),
                    kv_bytes_per_token=int(data["kv_bytes_per_token"]), model=data.get("model", "unknown"),
                    device=data.get("device", "unknown"), samples=int(data.get("samples", 0)), r2=data.get("r2"),
-                   tensor_parallel=int(data.get("tensor_parallel", 1)))
+                   tensor_parallel=int(data.get("tensor_parallel", 1)),
+                   pipeline_parallel=int(data.get("pipeline_parallel", 1)),
+                   p2p=TransferSpec(float(p2p["bytes_per_s"]), float(p2p["op_overhead_s"])) if p2p else None,
+                   activation_bytes_per_token=int(data.get("activation_bytes_per_token", 0)))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
@@ -568,23 +668,25 @@ def known_cost_models() -> list[str]:
 
 
 def load_cost_model(spec: str) -> CostModel:
-    """A cost model from "model@hardware[:tpN][:nvlink|:pcie]" (e.g. "opt-13b@a100-40gb",
-    "opt-66b@a100-40gb:tp4:pcie") or a JSON file path. The link defaults to the card's own."""
+    """A cost model from "model@hardware[:tpN][:ppM][:nvlink|:pcie]" (e.g. "opt-13b@a100-40gb",
+    "opt-66b@a100-40gb:tp4:pcie", "opt-175b@a100-40gb:tp8:pp2") or a JSON file path. The link
+    defaults to the card's own; pipeline stages beyond one node talk over the node's network."""
     path = Path(spec)
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise ValueError(f"cost model profile {spec!r} does not exist")
         return CostModel.from_dict(json.loads(path.read_text()))
     text, *options = spec.strip().lower().split(":")
-    tp, link = 1, None
+    degrees, link = {"tp": 1, "pp": 1}, None
     for part in options:
         if part in LINKS:
             link = part
-        elif part.startswith("tp") and part[2:].isdigit() and int(part[2:]) >= 1:
-            tp = int(part[2:])
+        elif part[:2] in degrees and part[2:].isdigit() and int(part[2:]) >= 1:
+            degrees[part[:2]] = int(part[2:])
         else:
-            raise ValueError(f"bad suffix {part!r} in {spec!r}; use ':tpN' (tensor-parallel degree) and "
-                             f"optionally a link, {' or '.join(':' + k for k in LINKS)} (e.g. ':tp4:pcie')")
+            raise ValueError(f"bad suffix {part!r} in {spec!r}; use ':tpN' (tensor-parallel degree), ':ppM' "
+                             f"(pipeline stages) and optionally a link, {' or '.join(':' + k for k in LINKS)} "
+                             f"(e.g. ':tp4:pcie', ':tp8:pp2')")
     model_name, at, hw_name = text.partition("@")
     if not at or model_name not in MODEL_SPECS or hw_name not in HARDWARE_SPECS:
         problem = (f"unknown model {model_name!r}" if at and model_name not in MODEL_SPECS else
@@ -592,4 +694,4 @@ def load_cost_model(spec: str) -> CostModel:
         raise ValueError(f"cannot load cost model {spec!r}: {problem}. Models: {', '.join(MODEL_SPECS)}; "
                          f"hardware: {', '.join(HARDWARE_SPECS)} (e.g. opt-13b@a100-40gb, "
                          f"opt-66b@a100-80gb:tp4)")
-    return RooflineCostModel(MODEL_SPECS[model_name], HARDWARE_SPECS[hw_name], tp, link)
+    return RooflineCostModel(MODEL_SPECS[model_name], HARDWARE_SPECS[hw_name], degrees["tp"], link, degrees["pp"])

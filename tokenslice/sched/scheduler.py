@@ -31,6 +31,9 @@ class Scheduler:
         self._finished: list[Request] = []  # finished since the engine last asked
         self._running: set[str] = set()  # chosen by the last plan
         self._stalled: list[Request] = []  # chosen by rank but waiting for their KV this step
+        # In a plan not yet updated: with pipeline stages, their token is still in the pipe and
+        # they join no other batch (FastServe §4.3). Empty between steps without stages.
+        self._in_pipeline: set[str] = set()
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, req: Request, now: float) -> None:
@@ -89,19 +92,26 @@ class Scheduler:
         self.kv.begin_plan()
         ranked = iter(self.policy.ranked(now))
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
+        busy = self._in_pipeline
         chosen, stalled, rest = self._fill_batch(ranked, seen, plan, now)
-        self.preemption.end_plan(chosen, plan)
+        self.preemption.end_plan(chosen | busy, plan)
         self.preemption.offload_evicted(plan)
         self.kv.end_plan()
-        if not chosen and self.requests and not stalled and not self.kv.num_in_flight:
+        if not chosen and self.requests and not stalled and not self.kv.num_in_flight and not busy:
             self._resolve_stall(seen + list(rest), now)
-        for rid in self._running - chosen:
+        for rid in self._running - chosen - busy:  # one in the pipe is not preempted: it runs
             req = self.requests.get(rid)
             if req is not None:
                 self.preemption.preempt(req)
-        self._running = chosen
+        self._running = chosen | (self._running & busy)
         self._stalled = stalled
+        busy |= chosen
         return plan
+
+    def keep_released(self, plan: StepPlan) -> None:
+        """`plan` goes to no executor (nothing to run while other plans are in flight): the
+        requests it released are handed over with the next plan instead."""
+        self._released = plan.finished + self._released
 
     def _fill_batch(self, it: Iterator[Request], seen: list[Request], plan: StepPlan,
                     now: float) -> tuple[set[str], list[Request], Iterator[Request]]:
@@ -118,8 +128,10 @@ class Scheduler:
             req = next(it, None)  # `it` is rebound when the rest of the order is materialized
             if req is None:
                 break
-            seen.append(req)
             rid = req.request_id
+            if rid in self._in_pipeline:  # its token is not back: the next pending job runs instead
+                continue
+            seen.append(req)
             if kv.in_flight(rid):  # never scheduled until its copy completes
                 stalled.append(req)
                 continue
@@ -138,7 +150,7 @@ class Scheduler:
             if need > kv.device.num_free:
                 lower = list(it)  # everything not yet walked is lower-ranked
                 it = iter(lower)
-                if not pre.make_room(need, lower, chosen, holds_kv, plan, dropped, loads):
+                if not pre.make_room(need, lower, chosen | self._in_pipeline, holds_kv, plan, dropped, loads):
                     admission_blocked = admission_blocked or not holds_kv
                     if hit is not None:
                         kv.detach_prefix(rid)
@@ -192,6 +204,7 @@ class Scheduler:
         """Record computed and sampled tokens; returns requests that got a new token."""
         ran: list[Request] = []
         produced: list[Request] = []
+        self._in_pipeline.difference_update(s.request_id for s in plan.slices)
         self.preemption.observe(plan, result)
         for rid in result.transfers_done:  # also for requests aborted mid-transfer
             if self.kv.in_flight(rid):
@@ -257,6 +270,7 @@ class Scheduler:
         schedule/update rounds would (the caller checked nothing else could change)."""
         k = len(durations)
         new_tokens = [token] * k
+        self._in_pipeline.difference_update(r.request_id for r in reqs)
         for req in reqs:
             self.kv.ensure(req.request_id, req.num_computed_tokens + k)
             req.num_computed_tokens += k

@@ -1,0 +1,154 @@
+"""Pipeline bubbles on the simulator, in the CPU setting of benchmarks/pipeline_parallel.py (the
+real engine): the 56M Llama of engine_vs_hf.py (hidden 512, 8 layers), fp32, two stages with one
+torch thread each, fcfs, a closed batch of requests (64 prompt + 64 new tokens), batch 8 — two
+batches in flight against one.
+
+Cost model: `tokenslice profile` of that checkpoint in one process with one thread (the whole
+pass), made a 2-stage ProfileCostModel: each stage computes half the pass, and a batch's hidden
+states (512 fp32 values a token) cross from stage to stage in the time a gloo send takes between
+two processes on this machine (timed here, fitted as latency + bytes / bandwidth).
+
+Printed per setting: simulated steps, virtual seconds, step and token throughput, and each
+stage's bubble fraction (1 - busy / elapsed), for the full workload and for one too small to fill
+two batches. `--real FILE` (the JSON of `pipeline_parallel.py --out FILE`) adds the real
+engine's step throughput and the simulator's ratio to it (the target: within 15%).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/pipeline_bubble_sim.py [--requests 16] [--real F] [--out F]  # ~2 min
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine_vs_hf import NEW, PROMPT, build_checkpoint
+from tokenslice.bench.workloads import WorkloadRequest
+from tokenslice.config import SchedulerConfig
+from tokenslice.engine.engine import Engine
+from tokenslice.engine.profile_options import ProfileOptions
+from tokenslice.engine.profiler import run_profile
+from tokenslice.exec.sim_pipeline import PipelinedSimulatedExecutor
+from tokenslice.predict.cost import CostModel, ProfileCostModel, fit_transfer
+
+HIDDEN = 512  # engine_vs_hf.build_checkpoint's hidden size
+SEND_TOKENS = (1, 8, 64, 512)
+SEND_REPEATS = 30
+JOIN_TIMEOUT_S = 120
+
+
+def _ping_pong(rank: int, path: str, out: str) -> None:
+    """Rank 0 sends [tokens, HIDDEN] fp32 to rank 1 and back; half the round trip is one send."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=2)
+    rows = []
+    for tokens in SEND_TOKENS:
+        x = torch.zeros(tokens, HIDDEN)
+        times = []
+        for _ in range(SEND_REPEATS):
+            t = time.perf_counter()
+            if rank == 0:
+                dist.send(x, 1)
+                dist.recv(x, 1)
+            else:
+                dist.recv(x, 0)
+                dist.send(x, 0)
+            times.append((time.perf_counter() - t) / 2)
+        times.sort()
+        rows.append((tokens * HIDDEN * 4, 1, times[len(times) // 2]))
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def measure_send() -> list[tuple[int, int, float]]:
+    """(bytes, 1, median seconds) of one stage-to-stage send per size, over gloo on this machine."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "sends.json"
+        ctx = mp.start_processes(_ping_pong, args=(str(Path(d) / "rdv"), str(out)), nprocs=2, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError("gloo send timing did not finish")
+        return [tuple(r) for r in json.loads(out.read_text())]
+
+
+def stage_cost(profile: ProfileCostModel, sends: list[tuple[int, int, float]]) -> ProfileCostModel:
+    """The one-process profile as two stages of half the pass each plus the measured send."""
+    data = profile.to_dict()
+    return ProfileCostModel.from_dict({**data, "pipeline_parallel": 2, "activation_bytes_per_token": HIDDEN * 4,
+                                       "p2p": vars(fit_transfer(sends))})
+
+
+def simulate(cost: CostModel, requests: int, new: int, batch: int, in_flight: int) -> dict[str, Any]:
+    cfg = SchedulerConfig(policy="fcfs", preemption="recompute", max_batch_size=batch)
+    blocks = requests * (PROMPT + new) // 16 + 16
+    eng = Engine.simulated(cfg, cost, kv_cache_blocks=blocks, block_size=16, max_in_flight=in_flight)
+    trace = [WorkloadRequest(f"r{i}", 0.0, None, PROMPT, new) for i in range(requests)]
+    reqs = eng.replay(trace)
+    assert all(r.is_finished for r in reqs)
+    ex = eng.executor
+    assert isinstance(ex, PipelinedSimulatedExecutor)
+    span = eng.clock.now()
+    return {"in_flight": in_flight, "requests": requests, "steps": eng.num_steps, "virtual_s": span,
+            "steps_per_s": eng.num_steps / span, "tok_per_s": requests * new / span,
+            "stage_busy_s": list(ex.stage_busy_s), "bubble": [1 - b / span for b in ex.stage_busy_s]}
+
+
+def real_steps_per_s(path: str) -> dict[int, float]:
+    """The real engine's step throughput by plans in flight, from pipeline_parallel.py --out."""
+    rows = json.loads(Path(path).read_text())["rows"]
+    return {int(r["config"].split(",")[1].split()[0]): r["steps_per_s"] for r in rows if r["config"].startswith("-pp 2")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-batch-size", type=int, default=8)
+    ap.add_argument("--new", type=int, default=NEW)
+    ap.add_argument("--samples", type=int, default=24, help="profile grid points")
+    ap.add_argument("--real", default=None, help="JSON written by pipeline_parallel.py --out")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)  # as each stage worker of the real benchmark
+    with tempfile.TemporaryDirectory() as d:
+        params = build_checkpoint(Path(d))
+        report = run_profile(ProfileOptions(model=d, dtype="float32", samples=a.samples, repeats=3, max_context=256))
+    sends = measure_send()
+    cost = stage_cost(report.cost, sends)
+    real = real_steps_per_s(a.real) if a.real else {}
+    rows = []
+    for requests in (a.requests, max(1, a.max_batch_size // 2)):
+        for m in (2, 1):
+            rows.append(simulate(cost, requests, a.new, a.max_batch_size, m))
+    print(f"model {params / 1e6:.1f}M params fp32; profile r2 {report.cost.r2:.3f} over {len(report.samples)} points; "
+          f"send {', '.join(f'{b // (HIDDEN * 4)} tok {s * 1e6:.0f} us' for b, _, s in sends)}; "
+          f"{time.perf_counter() - t0:.0f} s wall")
+    print(f"{'requests':>8} {'in flight':>9} {'steps':>6} {'virtual s':>10} {'steps/s':>8} {'tok/s':>7}  bubble per stage"
+          + ("   real steps/s  sim/real" if real else ""))
+    for r in rows:
+        line = (f"{r['requests']:>8} {r['in_flight']:>9} {r['steps']:>6} {r['virtual_s']:>10.3f} {r['steps_per_s']:>8.1f} "
+                f"{r['tok_per_s']:>7.1f}  " + " ".join(f"{b:.0%}" for b in r["bubble"]))
+        if real and r["requests"] == a.requests and r["in_flight"] in real:
+            got = real[r["in_flight"]]
+            line += f"   {got:>12.1f}  {r['steps_per_s'] / got:.2f}"
+        print(line)
+    if a.out:
+        Path(a.out).write_text(json.dumps({"params": params, "profile": report.to_json(), "sends": sends,
+                                           "cost": cost.to_dict(), "rows": rows, "real": real,
+                                           "cpu_count": os.cpu_count()}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
