@@ -24,13 +24,15 @@ def test_two_cpus_one_each(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     plan = plan_cpus(CpuConfig(), [0, 1])
     assert (plan.api_cpus, plan.engine_cpus, plan.engine_threads) == ((0,), (1,), 1)
-    assert plan.disjoint and plan.pin == hasattr(os, "sched_setaffinity")
+    assert plan.disjoint and not plan.pin  # pinned only when asked, on 2 CPUs
+    assert plan_cpus(CpuConfig(pin_cpus=True), [0, 1]).pin == hasattr(os, "sched_setaffinity")
 
 
 def test_many_cpus_engine_gets_all_but_the_api_servers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     plan = plan_cpus(CpuConfig(api_server_cpus=2), list(range(8)))
     assert (plan.api_cpus, plan.engine_cpus, plan.engine_threads) == ((0, 1), tuple(range(2, 8)), 6)
+    assert plan.pin == hasattr(os, "sched_setaffinity")
     assert plan_cpus(CpuConfig(engine_threads=3), list(range(8))).engine_threads == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert plan_cpus(CpuConfig(), list(range(8))).engine_threads == 2
@@ -62,7 +64,7 @@ def _free_port() -> int:
 def test_serve_binds_api_server_and_core_to_disjoint_cpus() -> None:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenslice.cli", "--log-level", "WARNING", "serve", "--model",
-                             "builtin:tiny", "--port", str(port), "--kv-cache-blocks", "32"], cwd=ROOT,
+                             "builtin:tiny", "--port", str(port), "--kv-cache-blocks", "32", "--pin-cpus"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + DEADLINE_S
@@ -75,7 +77,7 @@ def test_serve_binds_api_server_and_core_to_disjoint_cpus() -> None:
                 time.sleep(0.2)
         children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
         core = next(c for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text())
-        plan = plan_cpus(CpuConfig())
+        plan = plan_cpus(CpuConfig(pin_cpus=True))
         api, engine = _allowed(proc.pid), _allowed(core)
         assert api == set(plan.api_cpus) and engine == set(plan.engine_cpus) and not api & engine
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",

@@ -721,7 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_flag(s, CpuConfig, "engine_threads",
                    help="torch threads in the engine (default: one per engine CPU, or $OMP_NUM_THREADS)")
     add_field_flag(s, CpuConfig, "pin_cpus", action=argparse.BooleanOptionalAction,
-                   help="bind the API server and the engine core to their own CPUs (Linux)")
+                   help="bind the API server and the engine core to their own CPUs (Linux; default: only "
+                        "with more than 2 CPUs)")
     s.set_defaults(func=cmd_serve)
     v = sub.add_parser("view", help="serve the live view's page over a `simulate --record-state` file, with a time slider")
     v.add_argument("file", help="JSON lines written by `tokenslice simulate --record-state`")

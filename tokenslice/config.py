@@ -215,8 +215,9 @@ class CpuConfig:
 
     api_server_cpus: int = 1  # 0: no split, both processes use every CPU
     engine_threads: int | None = None  # torch threads in the core; None: one per engine CPU (or $OMP_NUM_THREADS)
-    # Bind each process to its CPUs (Linux). Measured on 2 cores (BENCHMARKS.md, threads that do not fight).
-    pin_cpus: bool = True
+    # Bind each process to its CPUs (Linux). None: only with more than 2 CPUs; on 2 shared cores a
+    # pinned core cannot move away from other load (BENCHMARKS.md, threads that do not fight).
+    pin_cpus: bool | None = None
 
     def validate(self) -> None:
         if self.api_server_cpus < 0:

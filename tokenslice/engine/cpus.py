@@ -47,7 +47,8 @@ def plan_cpus(config: CpuConfig, available: Sequence[int] | None = None) -> CpuP
     threads = config.engine_threads or (int(omp) if omp.isdigit() and int(omp) > 0 else len(engine))
     if reserve <= 0:
         return CpuPlan(cpus, cpus, threads, False)
-    return CpuPlan(cpus[:reserve], engine, threads, config.pin_cpus and hasattr(os, "sched_setaffinity"))
+    pin = config.pin_cpus if config.pin_cpus is not None else len(cpus) > 2
+    return CpuPlan(cpus[:reserve], engine, threads, pin and hasattr(os, "sched_setaffinity"))
 
 
 def pin_process(cpus: Sequence[int]) -> None:
