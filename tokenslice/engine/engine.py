@@ -26,7 +26,7 @@ from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestError, Request, RequestOutput,
                                 SamplingParams, TokenLogprobs)
-from tokenslice.predict.cost import CostModel, load_cost_model
+from tokenslice.predict.cost import CostModel, LoopShape, load_cost_model
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler
@@ -160,6 +160,10 @@ class Engine:
         # Simulator only: repeat unchanged decode batches in bulk between events (exact).
         self.fast_forward = False
         self.max_fast_forward_steps = 4096
+        # Simulator only: a cost model whose loop terms (fitted on step traces) advance the clock
+        # besides each forward pass, as a real engine's scheduling and bookkeeping take time.
+        self.loop_cost: CostModel | None = None
+        self._arrivals = 0  # requests added since the last step
         self.length_predictor: Any | None = None  # predict.length.LengthPredictor, for srpt-predicted
         self._prompt_text: dict[str, str] = {}
         # Logprobs computed since a request's last output (sampled token, prompt positions).
@@ -260,6 +264,8 @@ class Engine:
                      vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name,
                      max_in_flight=executor.max_in_flight if pipelined else 1)
         engine.fast_forward = not pipelined  # bulk repeats assume one batch at a time
+        if cost.has_loop_cost and not pipelined:  # the pipelined executor keeps its own clock
+            engine.loop_cost = cost
         return engine
 
     # ---- requests ---------------------------------------------------------------------------
@@ -303,6 +309,7 @@ class Engine:
         if self.length_predictor is not None and self.tokenizer is not None:
             self._predict_length(req, prompt_text)
         self.scheduler.add(req, now)
+        self._arrivals += 1
         if self.tokenizer is not None and self.detokenize:
             self._detok[req.request_id] = IncrementalDetokenizer.for_request(self.tokenizer, ids, params)
         return req
@@ -382,9 +389,10 @@ class Engine:
                 self.timings.schedule_s += t1 - t0
                 self.timings.update_s += time.perf_counter() - t1
                 return ran, finished
+        counts = self._trace_counts()
         result = self.executor.execute(plan)
-        self.clock.advance(result.step_seconds)
-        return self._apply(plan, result, t0, t1)
+        self.clock.advance(result.step_seconds + self._loop_seconds(len(result.sampled)))
+        return self._apply(plan, result, t0, t1, counts)
 
     def _advance_pipelined(self, horizon: float) -> tuple[list[Request], list[Request]]:
         """Pipeline stages (FastServe §4.3): submit batches of pending jobs while the pipe has
@@ -404,6 +412,7 @@ class Engine:
             if not plan.has_work:
                 break  # nothing could start: wait for what the executor is doing
         t1 = time.perf_counter()
+        counts = self._trace_counts()
         if isinstance(ex, PipelinedSimulatedExecutor) and len(self._pipe) < self.max_in_flight:
             ready = ex.next_ready()
             if ready is not None and horizon < ready:
@@ -414,12 +423,13 @@ class Engine:
         plan = self._pipe.popleft()
         if result.done_at is not None:
             self.clock.advance_to(result.done_at)
-        return self._apply(plan, result, t0, t1)
+        return self._apply(plan, result, t0, t1, counts)
 
-    def _apply(self, plan: StepPlan, result: StepResult, t0: float, t1: float
+    def _apply(self, plan: StepPlan, result: StepResult, t0: float, t1: float, counts: tuple[int, int, int]
                ) -> tuple[list[Request], list[Request]]:
         """A plan's result into the scheduler (tokens, finishes), the detokenizers, the length
-        predictor and the step trace; `t0`/`t1`: when its scheduling began and ended."""
+        predictor and the step trace; `t0`/`t1`: when its scheduling began and ended, `counts`:
+        the step trace's request counts after it."""
         t2 = time.perf_counter()
         self.num_steps += 1
         now = self.clock.now()
@@ -442,16 +452,30 @@ class Engine:
         self.timings.execute_s += t2 - t1
         self.timings.update_s += t3 - t2
         if self.step_trace is not None:
-            self._trace_step(t0, (t1 - t0, t2 - t1, t3 - t2), plan, result)
+            self._trace_step(t0, (t1 - t0, t2 - t1, t3 - t2), plan, result, counts, len(finished))
         return produced, finished
 
-    def _trace_step(self, t0: float, times: tuple[float, float, float], plan: StepPlan,
-                    result: StepResult) -> None:
-        assert self.step_trace is not None
+    def _trace_counts(self) -> tuple[int, int, int]:
+        """(running, waiting, preempted) requests as scheduling left them, where the simulator sees
+        them; only counted for a step trace."""
+        if self.step_trace is None:
+            return 0, 0, 0
         sched = self.scheduler
-        counts = (sched.num_running, sched.num_waiting, sched.num_preempted)
+        return sched.num_running, sched.num_waiting, sched.num_preempted
+
+    def _trace_step(self, t0: float, times: tuple[float, float, float], plan: StepPlan, result: StepResult,
+                    counts: tuple[int, int, int], finished: int) -> None:
+        assert self.step_trace is not None
         self.step_trace.write(step_record(self.num_steps, self.step_trace.wall_start(t0), plan, result,
-                                          counts, times))
+                                          counts, times, finished))
+
+    def _loop_seconds(self, sampled: int) -> float:
+        """Simulator: the loop's own time this step (0.0 without loop terms); takes the arrivals
+        since the last step into it."""
+        arrivals, self._arrivals = self._arrivals, 0
+        if self.loop_cost is None:
+            return 0.0
+        return self.loop_cost.loop_seconds(LoopShape(len(self.scheduler.requests), sampled, arrivals))
 
     def _repeat(self, plan: StepPlan, horizon: float, max_steps: int | None = None) -> list[Request] | None:
         """Run a just-scheduled decode-only plan for as many steps as it provably stays the
@@ -464,8 +488,9 @@ class Engine:
             return None
         cap = self.max_fast_forward_steps if max_steps is None else min(self.max_fast_forward_steps, max_steps)
         k = sched.max_repeat(reqs, cap)
-        if k < 2:
-            return None
+        if k < 2 or (self.loop_cost is not None and self._arrivals):
+            return None  # arrivals cost the next step alone: it runs by itself
+        loop_s = self._loop_seconds(len(reqs))
         # Grow the window in doubling chunks: most runs end early (an arrival, a demotion), and
         # durations past that point would be wasted work.
         durations: list[float] = []
@@ -473,7 +498,8 @@ class Engine:
         window = min(k, 16)
         while True:
             more_d, more_e = sim.repeat_decode_times(
-                reqs, window - len(durations), ends[-1] if ends else self.clock.now(), first_step=len(durations))
+                reqs, window - len(durations), ends[-1] if ends else self.clock.now(), first_step=len(durations),
+                loop_s=loop_s)
             durations += more_d
             ends += more_e
             # Stop at the first step that reaches the next arrival, as step-by-step replay would.

@@ -29,6 +29,9 @@ class ProfileOptions:
     seed: int = field_from(ModelConfig, "seed")
     # GPUs the measured engine shards the model over; the profile records it (its name shows :tpN).
     tensor_parallel_size: int = field_from(ParallelConfig, "tensor_parallel_size")
+    # Fitting on step traces: scale the fit so the traced steps add up to their wall time (the
+    # engine's throughput, stalls included); off: the typical step.
+    match_total: bool = True
 
 
 __all__ = ["PROFILE_MAX_BATCH_SIZE", "ProfileOptions"]

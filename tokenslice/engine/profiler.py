@@ -11,6 +11,9 @@ KV transfer cost is measured too: copies of N blocks' worth of bytes between dev
 (pinned host memory on CUDA; on CPU a host-to-host copy, which is what a CPU "swap" costs), once as
 one copy and once as N per-block copies, fitted with `fit_transfer` (bytes / bandwidth + per-op
 overhead).
+
+`profile_from_traces` fits the same model on step traces of real runs instead (`--from-trace`,
+engine/trace_fit.py), with the engine loop's own per-step time as terms of its own.
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ import torch
 
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenslice.engine.profile_options import ProfileOptions
+from tokenslice.engine.step_trace import load_step_trace
+from tokenslice.engine.trace_fit import fit_steps, traced_steps
 from tokenslice.exec.sim import SimulatedExecutor
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import SeqSlice, StepPlan
@@ -451,6 +456,28 @@ def calibrated(cost: ProfileCostModel, cal: dict[str, float]) -> ProfileCostMode
     return ProfileCostModel.from_dict(data)
 
 
+def profile_from_traces(opts: ProfileOptions, traces: Sequence[str | Path]) -> ProfileCostModel:
+    """A profile fitted on step traces the engine recorded running `opts.model` (engine/trace_fit.py).
+    The model's architecture, dtype and block size give the bytes a KV block moves; the host link
+    is measured here unless the traces hold enough synchronous swaps to fit it on."""
+    from tokenslice.model.loader import load_arch, resolve_device, resolve_dtype
+    from tokenslice.model.runner import host_block_bytes
+
+    if not traces:
+        raise ValueError("no step traces to fit on")
+    arch = load_arch(ModelConfig(model=opts.model, dtype=opts.dtype, device=opts.device))
+    device = resolve_device(opts.device)
+    block = host_block_bytes(arch, opts.block_size, resolve_dtype(opts.dtype, arch, device))
+    steps = [s for path in traces for s in traced_steps(load_step_trace(path))]
+    try:
+        transfer = fit_transfer(measure_transfer(block, device, repeats=opts.repeats))
+    except ValueError:  # timer noise swamped the copies
+        transfer = TransferSpec(25e9, 10e-6)
+    return fit_steps(steps, kv_bytes_per_token=block // opts.block_size, block_bytes=block, transfer=transfer,
+                     model=Path(opts.model).name or opts.model, device=device_name(device),
+                     tensor_parallel=opts.tensor_parallel_size, match_total=opts.match_total)
+
+
 def describe(report: ProfileReport) -> str:
     """Human summary: fit quality, coefficients, key predictions, transfer link."""
     c = report.cost
@@ -472,4 +499,5 @@ def describe(report: ProfileReport) -> str:
 
 
 __all__ = ["GridPoint", "GridTarget", "ProfileReport", "profile_grid", "reduce_grid", "calibration_lengths",
-           "time_point", "time_grid", "measure_transfer", "fit_relative", "device_name", "run_profile", "describe"]
+           "time_point", "time_grid", "measure_transfer", "fit_relative", "device_name", "run_profile",
+           "profile_from_traces", "describe"]

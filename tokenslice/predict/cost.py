@@ -82,6 +82,21 @@ class BatchShape:
 
 
 @dataclass(frozen=True)
+class LoopShape:
+    """What the engine loop handles around one forward pass, besides the batch itself.
+
+    live: unfinished requests after scheduling (running, waiting, preempted): the policy ranks
+        and the scheduler walks all of them every step.
+    sampled: tokens the step produced: each is appended, checked for a stop and sent on.
+    arrivals: requests added since the previous step (in a real engine, between the two).
+    """
+
+    live: int = 0
+    sampled: int = 0
+    arrivals: int = 0
+
+
+@dataclass(frozen=True)
 class HardwareSpec:
     """One accelerator, from its public datasheet, plus calibrated efficiency and overheads."""
 
@@ -247,6 +262,16 @@ class CostModel(ABC):
     @abstractmethod
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
         """Wall time to copy `num_bytes` between device and host in `num_ops` copy operations."""
+
+    @property
+    def has_loop_cost(self) -> bool:
+        """Whether `loop_seconds` can be non-zero (the simulator skips counting otherwise)."""
+        return False
+
+    def loop_seconds(self, loop: LoopShape) -> float:
+        """Wall time of the engine loop's own work in one step (scheduling, bookkeeping, output,
+        arrivals), which the simulator adds to the forward pass; 0.0 unless fitted on step traces."""
+        return 0.0
 
     @abstractmethod
     def to_dict(self) -> dict[str, Any]:
@@ -492,6 +517,15 @@ def profile_features(shape: BatchShape) -> list[float]:
             float(shape.decode_seqs > 0)]
 
 
+# The engine loop's own time per step (`loop_seconds`), fitted on step traces; JSON key "loop".
+# Profiles without it (synthetic sweeps, older files) have every term at zero.
+LOOP_FEATURES = ("base", "live", "sampled", "arrivals")
+
+
+def loop_features(loop: LoopShape) -> list[float]:
+    return [1.0, float(loop.live), float(loop.sampled), float(loop.arrivals)]
+
+
 class ProfileCostModel(CostModel):
     """Linear cost fitted to iterations measured on this machine (see `fit_profile`)."""
 
@@ -500,12 +534,14 @@ class ProfileCostModel(CostModel):
     def __init__(self, coefficients: dict[str, float], transfer: TransferSpec, kv_bytes_per_token: int,
                  model: str = "unknown", device: str = "unknown", samples: int = 0,
                  r2: float | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                 p2p: TransferSpec | None = None, activation_bytes_per_token: int = 0) -> None:
+                 p2p: TransferSpec | None = None, activation_bytes_per_token: int = 0,
+                 loop: dict[str, float] | None = None) -> None:
         """`tensor_parallel`: GPUs the measured engine sharded the model over (its iteration times
         include their collectives; KV bytes per token are the whole model's).
         `pipeline_parallel`: stages the measured pass went through, one batch at a time; a stage
         takes an equal share of it less the sends between stages, each `p2p` (per send, per byte)
-        for `activation_bytes_per_token` bytes a token."""
+        for `activation_bytes_per_token` bytes a token. `loop`: coefficients over LOOP_FEATURES
+        (missing ones are 0)."""
         if tensor_parallel < 1 or pipeline_parallel < 1:
             raise ValueError(f"tensor_parallel and pipeline_parallel must be >= 1, got {tensor_parallel}, "
                              f"{pipeline_parallel}")
@@ -524,6 +560,11 @@ class ProfileCostModel(CostModel):
         self.pipeline_parallel = pipeline_parallel
         self.p2p = p2p or TransferSpec(float("inf"), 0.0)
         self.activation_bytes_per_token = int(activation_bytes_per_token)
+        unknown = set(loop or {}) - set(LOOP_FEATURES)
+        if unknown:
+            raise ValueError(f"unknown loop terms {sorted(unknown)}; expected {list(LOOP_FEATURES)}")
+        self.loop = {k: float((loop or {}).get(k, 0.0)) for k in LOOP_FEATURES}
+        self._loop_weights = np.array([self.loop[k] for k in LOOP_FEATURES])
 
     @property
     def name(self) -> str:
@@ -553,12 +594,21 @@ class ProfileCostModel(CostModel):
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
         return self.transfer.seconds(num_bytes, num_ops)
 
+    @property
+    def has_loop_cost(self) -> bool:
+        return any(self.loop.values())
+
+    def loop_seconds(self, loop: LoopShape) -> float:
+        if not self.has_loop_cost:
+            return 0.0
+        return max(float(np.dot(self._loop_weights, loop_features(loop))), 0.0)
+
     def to_dict(self) -> dict[str, Any]:
         pipeline = {} if self.pipeline_parallel == 1 else {
             "pipeline_parallel": self.pipeline_parallel, "activation_bytes_per_token": self.activation_bytes_per_token,
             "p2p": {"bytes_per_s": self.p2p.bytes_per_s, "op_overhead_s": self.p2p.op_overhead_s}}
         return {"kind": self.kind, "model": self.model, "device": self.device,
-                "coefficients": dict(self.coefficients),
+                "coefficients": dict(self.coefficients), "loop": dict(self.loop),
                 "transfer": {"bytes_per_s": self.transfer.bytes_per_s, "op_overhead_s": self.transfer.op_overhead_s},
                 "kv_bytes_per_token": self.kv_bytes_per_token, "samples": self.samples, "r2": self.r2,
                 "tensor_parallel": self.tensor_parallel, **pipeline}
@@ -573,7 +623,7 @@ class ProfileCostModel(CostModel):
                    tensor_parallel=int(data.get("tensor_parallel", 1)),
                    pipeline_parallel=int(data.get("pipeline_parallel", 1)),
                    p2p=TransferSpec(float(p2p["bytes_per_s"]), float(p2p["op_overhead_s"])) if p2p else None,
-                   activation_bytes_per_token=int(data.get("activation_bytes_per_token", 0)))
+                   activation_bytes_per_token=int(data.get("activation_bytes_per_token", 0)), loop=data.get("loop"))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
