@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test demo bench clean
+.PHONY: serve test demo bench clean browser
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -17,8 +17,18 @@ $(STAMP): $(BIN)/python pyproject.toml
 serve: $(STAMP)
 	$(BIN)/tokenslice serve --model builtin:tiny --host 127.0.0.1 --port 8000
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q tests
+
+# The page tests drive Debian's headless chromium (tests/browserkit.py): installed here when it
+# is missing and apt-get may run (as root, or through sudo without a password); else a hint.
+browser:
+	@test -x /usr/bin/chromium && exit 0; \
+	if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; \
+	else echo "chromium is missing and apt-get needs root: sudo apt-get install chromium chromium-driver"; exit 0; fi; \
+	command -v apt-get >/dev/null || { echo "chromium is missing: install Debian's chromium package"; exit 0; }; \
+	echo "installing Debian's chromium for the browser tests"; \
+	$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
 
 # fcfs vs skip-join-mlfq over HTTP on the built-in model, a server each, side by side (about a
 # minute on 2 CPU cores); prints the table, writes results/demo.json and results/demo.png.

@@ -86,7 +86,11 @@ class RunningServer:
 def start_server(*flags: str) -> RunningServer:
     """Start `tokenslice serve --model builtin:tiny <flags>` in-process on a free port."""
     args = build_parser().parse_args(["--log-level", "INFO", "serve", "--model", "builtin:tiny", *flags])
-    app = serve_app_from_args(args)
+    return serve_app(serve_app_from_args(args))
+
+
+def serve_app(app: Any) -> RunningServer:
+    """Serve an ASGI app (the API server, `tokenslice view`'s) with uvicorn in a thread, on a free port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

@@ -87,3 +87,40 @@ def test_view_serves_a_recording(recording: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_view_serves_a_recording_page_by_page(tmp_path: Path) -> None:
+    """The index lists each run with its snapshots' times; a page by index or by simulated time is
+    exactly those lines of the file, and the page never needs the whole file."""
+    from fastapi.testclient import TestClient
+
+    from tokenslice.server.replay import create_replay_app
+
+    path = tmp_path / "two-runs.jsonl"
+    assert main(["simulate", "--profile", "opt-13b@a100-40gb", "--workload", "synthetic-fixed",
+                 "--policy", "fcfs,skip-join-mlfq", "--rates", "8", "--num-requests", "30",
+                 "--kv-cache-blocks", "60", "--record-state", str(path), "--quiet"]) == 0
+    lines = path.read_bytes().splitlines(keepends=True)
+    by_run: dict[str, list[bytes]] = {}
+    for line in lines:
+        by_run.setdefault(json.loads(line)["run"]["policy"], []).append(line)
+    client = TestClient(create_replay_app(path))
+    runs = client.get("/v1/replay/index").json()["runs"]
+    assert [r["labels"]["policy"] for r in runs] == ["fcfs", "skip-join-mlfq"] and [r["id"] for r in runs] == [0, 1]
+    for run in runs:
+        mine = by_run[run["labels"]["policy"]]
+        snaps = [json.loads(line) for line in mine]
+        assert run["snapshots"] == len(mine) > 4 and run["bytes"] == sum(map(len, mine))
+        assert run["t"] == [s["t"] for s in snaps] and run["host_used"] == [s["kv"]["host"]["used"] for s in snaps]
+        page = client.get("/v1/replay", params={"run": run["id"], "start": 2, "stop": 4})
+        assert page.status_code == 200 and page.content == b"".join(mine[2:4])
+        assert page.headers["x-snapshots"] == f"2-4/{len(mine)}"
+        t0, t1 = run["t"][1], run["t"][3]
+        assert client.get("/v1/replay", params={"run": run["id"], "from": t0, "to": t1}).content == b"".join(mine[1:4])
+        assert client.get("/v1/replay", params={"run": run["id"], "start": len(mine) - 1, "stop": 10**6}).content == mine[-1]
+        assert client.get("/v1/replay", params={"run": run["id"], "start": 10**6}).content == b""
+    assert client.get("/v1/replay").content == path.read_bytes()  # the whole file, as before
+    assert client.get("/v1/replay", params={"run": 2}).status_code == 404
+    assert client.get("/v1/replay", params={"start": 1}).status_code == 400
+    assert client.get("/v1/replay", params={"run": 0, "start": 1, "from": 0.0}).status_code == 400
+    assert client.get("/v1/replay", params={"run": 0, "start": -1}).status_code == 422

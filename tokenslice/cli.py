@@ -270,10 +270,21 @@ def cmd_view(a: argparse.Namespace) -> int:
 
     from tokenslice.server.replay import create_replay_app
 
+    print(f"indexing {a.file}", file=sys.stderr)
     app = create_replay_app(a.file)
     print(f"replaying {a.file} at http://{a.host}:{a.port}/dashboard", file=sys.stderr)
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level.lower(), access_log=False)
     return 0
+
+
+def write_json(path: str, data: Any) -> None:
+    """Write a command's results file (indented JSON) and say so."""
+    import json
+
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")
 
 
 def _number_list(text: str, kind: type = float) -> list[Any]:
@@ -285,8 +296,6 @@ def _number_list(text: str, kind: type = float) -> list[Any]:
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
-    import json
-
     from tqdm import tqdm
 
     from tokenslice.bench.report import format_summary, format_table, plot_results
@@ -311,10 +320,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     print(format_summary([results], [a.workload]))
     print(format_table([results]))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results if a.save_requests else strip_per_request(results), f, indent=1)
-            f.write("\n")
-        print(f"wrote {a.out}")
+        write_json(a.out, results if a.save_requests else strip_per_request(results))
     if a.plot:
         print(f"wrote {plot_results([results], a.plot)}")
     return 0
@@ -336,7 +342,6 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    import json
     import shlex
     from pathlib import Path
 
@@ -395,10 +400,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     print(format_summary([results], [a.workload]))
     print(format_table([results]))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(results, f, indent=1)
-            f.write("\n")
-        print(f"wrote {a.out}")
+        write_json(a.out, results)
     if a.plot:
         print(f"wrote {plot_results([results], a.plot)}")
     return 0
@@ -486,6 +488,74 @@ def add_bench_subcommand(sub: Any) -> None:
     b.add_argument("--plot", default=None, help="write a PNG figure")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
+
+
+def cmd_twin(a: argparse.Namespace) -> int:
+    from tokenslice.bench.twin import TwinSpec, format_twin, run_twin
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(TwinSpec) if hasattr(a, f.name)}
+    spec = TwinSpec(**{**given, "policies": policy_list(a.policy)})
+    spec.validate()
+
+    def tick(message: str) -> None:
+        if not a.quiet:
+            print(message, file=sys.stderr, flush=True)
+
+    result = run_twin(spec, progress=tick)
+    print(format_twin(result))
+    if a.out:
+        write_json(a.out, result)
+    return 0
+
+
+def add_twin_subcommand(sub: Any) -> None:
+    """`twin`: one arrival trace on the real engine over HTTP and in the simulator, compared."""
+    from tokenslice.bench.twin import TwinSpec
+    from tokenslice.bench.workloads import WORKLOAD_NAMES
+
+    t = sub.add_parser("twin", help="replay one arrival trace on the real engine (HTTP) and in the simulator "
+                       "with the machine's profile; print both sides' latency and the simulator's error")
+
+    def flag(name: str, **kwargs: Any) -> None:
+        add_field_flag(t, TwinSpec, name, **kwargs)
+
+    flag("model", required=True, help="model to serve (local Hugging Face directory or builtin:tiny)")
+    t.add_argument("--policy", required=True, help=f"comma-separated policies, one server each (of "
+                   f"{', '.join(POLICY_NAMES)})")
+    flag("workload", choices=list(WORKLOAD_NAMES))
+    flag("dataset", help="dataset file or directory (alpaca/sharegpt workloads)")
+    flag("tokenizer", help="tokenizer directory that counts dataset tokens")
+    points = t.add_mutually_exclusive_group(required=True)
+    add_field_flag(points, TwinSpec, "rate", help="arrival rate (req/s)")
+    add_field_flag(points, TwinSpec, "load", help="fraction of the real engine's fcfs saturation throughput "
+                   "(measured over HTTP first, all requests at once, unless --saturation-rps)")
+    flag("saturation_rps", help="with --load: the saturation throughput (req/s), not measured")
+    flag("cv", help="arrival-gap coefficient of variation (1: Poisson)")
+    flag("num_requests")
+    flag("seed")
+    flag("repeats", help="real runs of the trace (their spread is the real engine's own noise)")
+    flag("profile", help="cost model JSON from `tokenslice profile` on this machine (default: profile first)")
+    flag("sim_profile", help="cost model for the simulator's clock only (e.g. fitted on step traces); the "
+         "policies on both sides keep --profile")
+    flag("dtype")
+    flag("max_batch_size", help="the scheduling benchmarks' batch, as `simulate`'s")
+    for name in ("max_tokens_per_step", "block_size", "preemption", "max_prompt_len", "max_tokens_cap"):
+        flag(name)  # as serve's and simulate's
+    flag("length_filter", help="vLLM's benchmark length filter")
+    flag("input_len", help="synthetic workloads: prompt length (mean)")
+    flag("output_len", help="synthetic workloads: output length (mean)")
+    flag("server_threads", help="torch threads in each server")
+    flag("url", help="an already running tokenslice server (one policy) instead of starting servers")
+    flag("server_step_trace", metavar="FILE", help="with --url: the file the server's --step-trace writes "
+         "(needed for the serving path and the step comparison)")
+    flag("step_trace_dir", metavar="DIR", help="keep the servers' and the simulator's step traces here")
+    flag("serving_path", action=argparse.BooleanOptionalAction,
+         help="model the HTTP path (in and out, measured on lone requests) in the simulator")
+    flag("warmup_requests", help="unrecorded requests sent to each server first")
+    t.add_argument("--out", default=None, help="write the comparison as JSON")
+    t.add_argument("--quiet", action="store_true", help="no progress lines")
+    t.set_defaults(func=cmd_twin)
 
 
 def cmd_profile(a: argparse.Namespace) -> int:
@@ -652,8 +722,6 @@ def cmd_predictor_build(a: argparse.Namespace) -> int:
 
 
 def cmd_predictor_eval(a: argparse.Namespace) -> int:
-    import json
-
     from tokenslice.bench.length_eval import evaluate, format_table
     from tokenslice.predict.length import LengthPredictor
 
@@ -669,10 +737,7 @@ def cmd_predictor_eval(a: argparse.Namespace) -> int:
     result["split"] = {"part": a.split, "test_size": a.test_size, "seed": a.split_seed}
     print(format_table(result))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump(result, f, indent=1)
-            f.write("\n")
-        print(f"wrote {a.out}")
+        write_json(a.out, result)
     return 0
 
 
@@ -758,6 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_view)
     add_simulation_subcommands(sub)
     add_bench_subcommand(sub)
+    add_twin_subcommand(sub)
     add_predictor_subcommands(sub)
     return parser
 

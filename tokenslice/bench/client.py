@@ -125,6 +125,7 @@ class RunResult:
     max_send_lag_s: float = 0.0  # worst delay between a request's due time and its sending
     # With a priority pattern: update points, updates accepted, requests no longer live (404), failures.
     priority_updates: dict[str, int] = field(default_factory=dict)
+    wall_start: float = 0.0  # Unix time of the run's zero (to line records up with server-side step traces)
 
 
 # ---------------------------------------------------------------- requests and streams
@@ -378,6 +379,7 @@ class LoadClient:
             model = await self.resolve_model(http)
             before = await scrape_counters(http, self.cfg)
             t0 = time.perf_counter()
+            wall_start = time.time()
             updater = None
             if updates is not None and iteration_s is not None:
                 updater = asyncio.create_task(
@@ -401,7 +403,7 @@ class LoadClient:
                     await updater
             after = await scrape_counters(http, self.cfg)
         return RunResult([r for chain in chains for r in chain], counter_deltas(before, after), duration, lag,
-                         counts)
+                         counts, wall_start)
 
     async def _update_priorities(self, http: httpx.AsyncClient, updates: PriorityUpdates,
                                  live: Mapping[str, ClientRecord], interval_s: float, counts: dict[str, int]) -> None:

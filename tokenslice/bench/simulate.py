@@ -27,6 +27,7 @@ import numpy as np
 from tokenslice.bench.metrics import SLO, RequestRecord, max_rate_detail, results_file, run_entry, run_key, \
     summarize, sweep_summary, user_summary
 from tokenslice.bench.record_state import StateRecorder
+from tokenslice.bench.serving_path import ServingPath
 from tokenslice.bench.workloads import PRIORITY_PATTERNS, DatasetCache, PriorityPattern, PriorityUpdates, \
     WorkloadRequest, check_user_shares, make_workload, parse_user_shares, workload_stats
 from tokenslice.config import CacheConfig, SchedulerConfig, field_from
@@ -256,13 +257,18 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
                  offload_dtype: str = CacheConfig.offload_dtype, length_predictor: str | Path | None = None,
                  priority: PriorityPattern | None = None,
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-                 block_groups: bool = CacheConfig.block_groups, state_recorder: StateRecorder | None = None
-                 ) -> tuple[list[RequestRecord], dict[str, Any]]:
+                 block_groups: bool = CacheConfig.block_groups, state_recorder: StateRecorder | None = None,
+                 path: ServingPath | None = None, step_trace: str | None = None,
+                 policy_cost: CostModel | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay a workload on the simulator: (per-request records, engine-wide counters). The host
     tier (swap modes only) defaults to HOST_KV_FACTOR x the device pool. With `length_predictor`, requests
     without a prediction get one first (predict_lengths). With `priority`, requests get priorities
     from the pattern at arrival and every 1/f steps (FastSwitch §4). `state_recorder` snapshots the
-    scheduler as the virtual clock advances (it only reads, so the results do not change)."""
+    scheduler as the virtual clock advances (it only reads, so the results do not change). `path`
+    adds the serving path outside the engine (HTTP in and out, bench/serving_path.py): the records
+    are then what a client would see. `step_trace` writes every simulated step as the real engine's
+    --step-trace does (virtual-clock starts); it turns off fast-forward, which changes no result.
+    `policy_cost`: the cost model the policies see, when it is not the clock's."""
     from tokenslice.engine.engine import Engine  # the engine pulls in the scheduler stack: import on use
 
     check_fits(workload_requests, kv_cache_blocks, block_size)
@@ -271,15 +277,23 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     host = HOST_KV_FACTOR * kv_cache_blocks if host_kv_blocks is None else host_kv_blocks
     engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
                               host_kv_blocks=host, offload_dtype=offload_dtype,
-                              enable_prefix_caching=enable_prefix_caching, block_groups=block_groups)
+                              enable_prefix_caching=enable_prefix_caching, block_groups=block_groups,
+                              policy_cost=policy_cost)
+    if step_trace is not None:
+        from tokenslice.engine.step_trace import StepTraceWriter
+
+        engine.step_trace = StepTraceWriter(step_trace)
+        engine.fast_forward = False  # every step is written (bulk repeats are exact, but not steps)
     observe = None
     if state_recorder is not None:
         def observe(now: float) -> None:
             state_recorder.observe(engine.scheduler, now)
-    reqs = engine.replay(list(workload_requests),
+    path = path or ServingPath()
+    reqs = engine.replay(path.to_engine(workload_requests),
                          priority_updates=PriorityUpdates(priority) if priority is not None else None,
                          on_advance=observe)
-    return records_from_requests(reqs), engine_counters(engine)
+    engine.close()
+    return path.to_client(records_from_requests(reqs)), engine_counters(engine)
 
 
 def ample_kv_blocks(requests: Sequence[WorkloadRequest], max_batch_size: int,

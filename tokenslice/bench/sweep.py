@@ -340,7 +340,7 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
     if spec.slo_auto:
         with _server_url(server, client, spec.policies[0], None) as url:
             lc = LoadClient(dataclasses.replace(client, base_url=url))
-            _warm_up(lc, spec.warmup_requests)
+            warm_up(lc, spec.warmup_requests)
             step = lc.measure_decode_step()
         slo = dataclasses.replace(slo, mean_normalized_latency=SLO_DECODE_FACTOR * step)
         calibration = {"decode_step_s": step, "factor": SLO_DECODE_FACTOR, "policy": spec.policies[0]}
@@ -358,7 +358,7 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
         url = stack.enter_context(_server_url(server, client, sweep.policy, slo.mean_normalized_latency))
         sweep.client = LoadClient(dataclasses.replace(client, base_url=url))
         server_info = sweep.client.server_info()
-        _warm_up(sweep.client, spec.warmup_requests)
+        warm_up(sweep.client, spec.warmup_requests)
 
     if spec.interleave:
         with ExitStack() as stack:
@@ -407,7 +407,7 @@ def _server_url(server: ServerSpec | None, client: ClientConfig, policy: str,
         yield url
 
 
-def _warm_up(lc: LoadClient, n: int) -> None:
+def warm_up(lc: LoadClient, n: int) -> None:
     """A few requests the results ignore: the first steps of a fresh server are slower."""
     if n > 0:
         lc.run([WorkloadRequest(f"warmup-{i}", 0.0, None, 16, 16) for i in range(n)])
@@ -418,7 +418,7 @@ def _measure_decode_step(server: ServerSpec | None, client: ClientConfig, spec: 
     """A lone request's decode step (s) on the first policy's server, after its warm-up."""
     with _server_url(server, client, spec.policies[0], None) as url:
         lc = LoadClient(dataclasses.replace(client, base_url=url))
-        _warm_up(lc, spec.warmup_requests)
+        warm_up(lc, spec.warmup_requests)
         return lc.measure_decode_step()
 
 
@@ -477,4 +477,4 @@ def bench_summary(runs: Sequence[Mapping[str, Any]], spec: BenchSpec, slo: SLO,
 
 
 __all__ = ["BenchSpec", "ServerSpec", "ServerProcess", "running_server", "free_port", "bench_metrics", "slo_value",
-           "clearly_past", "compact_records", "run_bench", "bench_summary", "SLO_DECODE_FACTOR"]
+           "clearly_past", "compact_records", "run_bench", "bench_summary", "warm_up", "SLO_DECODE_FACTOR"]

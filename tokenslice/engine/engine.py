@@ -172,6 +172,7 @@ class Engine:
         # Off in the engine-core process: the API server detokenizes and applies stop strings there.
         self.detokenize = True
         self.step_trace: StepTraceWriter | None = None  # --step-trace: one record per real step
+        self._step_began = 0.0  # simulator: virtual time the last executed step began (its trace start)
         self.max_in_flight = max_in_flight
         self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
 
@@ -244,15 +245,18 @@ class Engine:
                   block_size: int = 16, max_model_len: int = 1 << 30, host_kv_blocks: int = 0,
                   offload_dtype: str = "auto",
                   enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
-                  block_groups: bool = CacheConfig.block_groups, max_in_flight: int | None = None) -> Engine:
+                  block_groups: bool = CacheConfig.block_groups, max_in_flight: int | None = None,
+                  policy_cost: CostModel | None = None) -> Engine:
         """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
         iteration times (and swap copy times) from the cost model instead of a model. A cost
         model with pipeline stages (`:ppM`) gets the pipelined executor, `max_in_flight` batches
-        in the pipe (default one per stage)."""
+        in the pipe (default one per stage). `policy_cost` is the cost model the policies see
+        (default: `cost`), e.g. the profile a real server's policies were given, when the clock
+        runs on another one."""
         swapping = PREEMPTION_STRATEGIES[config.preemption].uses_host_tier
         kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0,
                        contiguous=swapping and block_groups, prefix_caching=enable_prefix_caching)
-        ctx = PolicyContext(config, cost)
+        ctx = PolicyContext(config, policy_cost or cost)
         policy = make_policy(config.policy, ctx)
         clock = VirtualClock()
         block_bytes = offload_block_bytes(block_size, cost.kv_bytes_per_token, offload_dtype)
@@ -390,6 +394,7 @@ class Engine:
                 self.timings.update_s += time.perf_counter() - t1
                 return ran, finished
         counts = self._trace_counts()
+        self._step_began = self.clock.now()
         result = self.executor.execute(plan)
         self.clock.advance(result.step_seconds + self._loop_seconds(len(result.sampled)))
         return self._apply(plan, result, t0, t1, counts)
@@ -421,6 +426,7 @@ class Engine:
                 return [], []
         result = ex.poll()
         plan = self._pipe.popleft()
+        self._step_began = self.clock.now()  # pipelined: when the loop began waiting for this batch
         if result.done_at is not None:
             self.clock.advance_to(result.done_at)
         return self._apply(plan, result, t0, t1, counts)
@@ -466,8 +472,9 @@ class Engine:
     def _trace_step(self, t0: float, times: tuple[float, float, float], plan: StepPlan, result: StepResult,
                     counts: tuple[int, int, int], finished: int) -> None:
         assert self.step_trace is not None
-        self.step_trace.write(step_record(self.num_steps, self.step_trace.wall_start(t0), plan, result,
-                                          counts, times, finished))
+        # The simulator's steps start on its virtual clock.
+        start = self._step_began if isinstance(self.clock, VirtualClock) else self.step_trace.wall_start(t0)
+        self.step_trace.write(step_record(self.num_steps, start, plan, result, counts, times, finished))
 
     def _loop_seconds(self, sampled: int) -> float:
         """Simulator: the loop's own time this step (0.0 without loop terms); takes the arrivals

@@ -86,6 +86,8 @@ class _StatsCollector(Collector):
         hits.add_metric([self.model_name, "device"], c.prefix_cache_device_hits)
         hits.add_metric([self.model_name, "host"], c.prefix_cache_host_hits)
         yield hits
+        yield self._counter("tokenslice:engine_steps", "Engine steps taken (the live view shows the same number).",
+                            s.num_steps)
         yield self._counter("tokenslice:engine_faults", "Engine steps that raised.", s.num_faults)
 
 

@@ -15,26 +15,53 @@ function setStatus(text) { $("status").textContent = text; }
 // ---- lanes: the policy's queues in its own terms (Policy.describe_queues) ----------------------
 function ids(list) { return list.map((x) => (typeof x === "string" ? x : x.id)); }
 
+// Each lane has a key that stays the same across snapshots (its label may not: a VTC counter).
 function lanesOf(queues) {
   switch (queues.kind) {
-    case "mlfq": return queues.queues.map((q) => ({ name: `Q${q.level} · quantum ${q.quantum_s.toPrecision(3)} s`, ids: ids(q.requests) }));
-    case "priority": return queues.classes.map((c) => ({ name: `priority ${c.priority}`, ids: ids(c.requests) }));
-    case "vtc": return queues.users.map((u) => ({ name: `user ${u.user} · counter ${Math.round(u.counter)}`, ids: ids(u.requests) }));
-    case "request-level": return [{ name: "batch", ids: ids(queues.batch) }, { name: "waiting for the batch", ids: ids(queues.order) }];
-    case "srpt": return [{ name: "by predicted remaining time", ids: ids(queues.order) }];
-    case "sorted": return [{ name: `by ${queues.key.replace(/_/g, " ")}`, ids: ids(queues.order) }];
-    case "fifo": return [{ name: "arrival order", ids: ids(queues.order) }];
+    case "mlfq": return queues.queues.map((q) => ({ key: `q${q.level}`, name: `Q${q.level} · quantum ${q.quantum_s.toPrecision(3)} s`, ids: ids(q.requests) }));
+    case "priority": return queues.classes.map((c) => ({ key: `p${c.priority}`, name: `priority ${c.priority}`, ids: ids(c.requests) }));
+    case "vtc": return queues.users.map((u) => ({ key: `u${u.user}`, name: `user ${u.user} · counter ${Math.round(u.counter)}`, ids: ids(u.requests) }));
+    case "request-level": return [{ key: "batch", name: "batch", ids: ids(queues.batch) }, { key: "order", name: "waiting for the batch", ids: ids(queues.order) }];
+    case "srpt": return [{ key: "order", name: "by predicted remaining time", ids: ids(queues.order) }];
+    case "sorted": return [{ key: "order", name: `by ${queues.key.replace(/_/g, " ")}`, ids: ids(queues.order) }];
+    case "fifo": return [{ key: "order", name: "arrival order", ids: ids(queues.order) }];
     default: return [];
   }
 }
 
-function chip(r) {
-  const el = document.createElement("span");
-  el.className = "chip " + cls(r.state);
-  el.title = `${r.id}${r.user ? " · " + r.user : ""} · ${r.state} · ${r.output_tokens} tokens out` +
+// One element per lane and per request, kept across snapshots (keyed by lane key and request
+// id), so that a chip is the same node from one refresh to the next and can be seen to move.
+const board = { lanes: new Map(), chips: new Map(), empty: null };
+const MOVE_MS = 300; // a chip's glide to its new lane
+const MAX_MOVERS = 150; // more chips than this changing lane at once: jump, do not glide
+const PAUSED = ["preempted", "swapping", "on host", "to recompute"]; // states a preemption or a swap leads to
+const motion = () => !window.matchMedia("(prefers-reduced-motion: reduce)").matches;
+
+function chipTitle(r) {
+  return `${r.id}${r.user ? " · " + r.user : ""} · ${r.state} · ${r.output_tokens} tokens out` +
     (r.predicted_output_tokens != null ? ` (predicted ${r.predicted_output_tokens})` : "") +
     ` · ${r.preemptions} preemptions · ${r.swaps} swaps`;
-  el.dataset.id = r.id;
+}
+
+// The chip of `r`, made on first sight; a state change recolours it (a CSS transition) and a
+// preemption or a swap makes it pulse once.
+function chipFor(r) {
+  let el = board.chips.get(r.id);
+  if (!el) {
+    el = document.createElement("span");
+    el.dataset.id = r.id;
+    board.chips.set(r.id, el);
+  }
+  const className = "chip " + cls(r.state);
+  if (el.className !== className) {
+    const was = el.dataset.state;
+    el.className = className;
+    el.dataset.state = r.state;
+    if (was && PAUSED.includes(r.state) && motion())
+      el.animate([{ boxShadow: "0 0 0 3px #1d2430" }, { boxShadow: "0 0 0 0 #1d2430" }], { duration: 600, easing: "ease-out" });
+  }
+  const title = chipTitle(r);
+  if (el.title !== title) el.title = title;
   return el;
 }
 
@@ -47,10 +74,36 @@ function crowd(reqs) {
     if (!n[s]) continue;
     const c = document.createElement("span");
     c.className = "chip " + cls(s);
+    c.dataset.count = String(n[s]);
     c.textContent = `${n[s]} ${s}`;
     el.append(c, " ");
   }
   return el;
+}
+
+function laneRow(key) {
+  let lane = board.lanes.get(key);
+  if (!lane) {
+    const row = document.createElement("div");
+    row.className = "lane";
+    row.dataset.lane = key;
+    const name = document.createElement("div");
+    name.className = "lane-name";
+    const chips = document.createElement("div");
+    chips.className = "lane-chips";
+    row.append(name, chips);
+    lane = { row, name, chips };
+    board.lanes.set(key, lane);
+  }
+  return lane;
+}
+
+// Makes `parent`'s children exactly `want`, in order, moving only what is out of place.
+function reconcile(parent, want) {
+  for (let i = 0; i < want.length; i++) {
+    if (parent.children[i] !== want[i]) parent.insertBefore(want[i], parent.children[i] || null);
+  }
+  while (parent.children.length > want.length) parent.lastElementChild.remove();
 }
 
 function drawLanes(snap) {
@@ -58,30 +111,41 @@ function drawLanes(snap) {
   const lanes = lanesOf(snap.queues);
   const placed = new Set(lanes.flatMap((l) => l.ids));
   const rest = snap.requests.filter((r) => !placed.has(r.id)).map((r) => r.id);
-  if (rest.length) lanes.push({ name: lanes.length ? "elsewhere" : "live requests", ids: rest });
-  const root = $("lanes");
-  root.replaceChildren();
+  if (rest.length) lanes.push({ key: "rest", name: lanes.length ? "elsewhere" : "live requests", ids: rest });
+  // FLIP (first, last, invert, play): where each shown chip was, before this snapshot moves it.
+  const animate = motion();
+  const laneOf = new Map(), first = new Map();
+  for (const [key, lane] of board.lanes) for (const el of lane.chips.children) if (el.dataset.id) laneOf.set(el.dataset.id, key);
+  const movers = lanes.flatMap((l) => l.ids.length > CROWDED ? [] : l.ids.filter((id) => laneOf.has(id) && laneOf.get(id) !== l.key));
+  if (animate && movers.length <= MAX_MOVERS) for (const id of movers) first.set(id, board.chips.get(id).getBoundingClientRect());
   // Empty lanes (an MLFQ has many levels) share one line, so busy ones stay on screen.
-  const empty = lanes.filter((l) => !l.ids.length).map((l) => l.name.split(" · ")[0]);
-  for (const lane of lanes.filter((l) => l.ids.length || empty.length < 2)) {
-    const row = document.createElement("div");
-    row.className = "lane";
-    const name = document.createElement("div");
-    name.className = "lane-name";
-    name.textContent = `${lane.name} (${lane.ids.length})`;
-    const chips = document.createElement("div");
-    chips.className = "lane-chips";
-    const reqs = lane.ids.map((id) => byId.get(id)).filter(Boolean);
-    if (reqs.length > CROWDED) chips.append(crowd(reqs));
-    else chips.append(...reqs.map(chip));
-    row.append(name, chips);
-    root.append(row);
+  const empty = lanes.filter((l) => !l.ids.length);
+  const shown = lanes.filter((l) => l.ids.length || empty.length < 2);
+  const rows = [];
+  for (const l of shown) {
+    const lane = laneRow(l.key);
+    const label = `${l.name} (${l.ids.length})`;
+    if (lane.name.textContent !== label) lane.name.textContent = label;
+    const reqs = l.ids.map((id) => byId.get(id)).filter(Boolean);
+    // A crowded lane shows counts by state: a thousand chips would say less, and cost more.
+    reconcile(lane.chips, reqs.length > CROWDED ? [crowd(reqs)] : reqs.map(chipFor));
+    rows.push(lane.row);
   }
   if (empty.length >= 2) {
-    const row = document.createElement("div");
-    row.className = "lane lane-name";
-    row.textContent = `empty: ${empty.join(", ")}`;
-    root.append(row);
+    if (!board.empty) { board.empty = document.createElement("div"); board.empty.className = "lane lane-name"; }
+    board.empty.textContent = `empty: ${empty.map((l) => l.name.split(" · ")[0]).join(", ")}`;
+    rows.push(board.empty);
+  }
+  reconcile($("lanes"), rows);
+  for (const key of board.lanes.keys()) if (!shown.some((l) => l.key === key)) board.lanes.delete(key);
+  for (const id of board.chips.keys()) if (!byId.has(id)) board.chips.delete(id);
+  // Play: each chip that changed lane starts where it was and glides to where it is now.
+  for (const [id, was] of first) {
+    const el = board.chips.get(id);
+    if (!el || !el.isConnected) continue;
+    const now = el.getBoundingClientRect();
+    const dx = was.left - now.left, dy = was.top - now.top;
+    if (dx || dy) el.animate([{ transform: `translate(${dx}px, ${dy}px)` }, { transform: "none" }], { duration: MOVE_MS, easing: "ease-out" });
   }
 }
 
@@ -168,6 +232,7 @@ function drawLatency(latency) {
 }
 
 // ---- one snapshot ----------------------------------------------------------------------------
+// `history` (a recording): [seconds before snap, host blocks used, transfers in flight] per snapshot.
 function draw(snap, history) {
   const c = snap.counts || {};
   for (const r of snap.requests) if (!snap.counts) c[r.state] = (c[r.state] || 0) + 1;
@@ -180,6 +245,9 @@ function draw(snap, history) {
   $("count-swapped").textContent = e.num_swapped;
   $("count-swapping").textContent = c.swapping || 0;
   $("count-to-recompute").textContent = c["to recompute"] || 0;
+  // Live: the engine's step number, which /metrics also reports (tokenslice:engine_steps_total).
+  $("engine-step").parentElement.hidden = !snap.engine;
+  if (snap.engine) $("engine-step").textContent = snap.engine.num_steps;
   $("scheduler").textContent = `${snap.policy} · ${snap.preemption} · ${snap.requests.length} live` +
     (snap.run ? ` · run ${JSON.stringify(snap.run)}` : "");
   drawLanes(snap);
@@ -191,11 +259,15 @@ function draw(snap, history) {
       `in ${bytes(snap.swap.in_bytes)}, ${snap.swap.ops} copy ops`;
   } else if (history) {
     $("sparkline-title").textContent = "host KV blocks used (blue) and transfers in flight (green)";
-    sparkline($("swap-sparkline"), history.map((s) => [s.t - snap.t, s.kv.host.used, s.kv.transfers_in_flight]));
+    sparkline($("swap-sparkline"), history);
     $("swap-summary").textContent = `t = ${snap.t.toFixed(2)} s (simulated)`;
   }
   drawLatency(snap.latency);
   $("view").hidden = false;
+  // Which snapshot is on screen (a live server numbers them) and how many were drawn: lets a
+  // test, or a curious user, tell a fresh view from a stale one.
+  if (snap.seq != null) document.body.dataset.seq = String(snap.seq);
+  document.body.dataset.drawn = String(Number(document.body.dataset.drawn || 0) + 1);
 }
 
 // ---- live mode ----------------------------------------------------------------------------------
@@ -204,6 +276,16 @@ function askForKey() {
   $("key-prompt").hidden = false;
   setStatus("API key needed");
 }
+
+// "pause" holds the picture still to look at it; the stream goes on and the latest snapshot is
+// drawn on "resume".
+const frozen = { on: false, latest: null };
+$("pause").addEventListener("click", () => {
+  frozen.on = !frozen.on;
+  $("pause").textContent = frozen.on ? "resume" : "pause";
+  if (frozen.on) setStatus("paused");
+  else if (frozen.latest) { draw(frozen.latest); setStatus("live"); frozen.latest = null; }
+});
 
 async function live() {
   const key = sessionStorage.getItem(KEY_STORE);
@@ -234,6 +316,7 @@ async function live() {
       if (!data) continue;
       if (event.startsWith("event: error")) { setStatus("engine error: " + JSON.parse(data).message); continue; }
       const snap = JSON.parse(data);
+      if (frozen.on) { frozen.latest = snap; continue; }
       draw(snap);
       setStatus(`live · ${new Date(snap.time * 1000).toLocaleTimeString()} · ${snap.viewers} viewer(s)`);
     }
@@ -250,30 +333,73 @@ $("key-prompt").addEventListener("submit", (ev) => {
 });
 
 // ---- replay mode ------------------------------------------------------------------------------
+// A recording can be hundreds of MB: the page loads its index (runs, each snapshot's time and
+// history numbers), then only the pages of snapshots the slider reaches, a few kept at a time.
+const PAGE_BYTES = 4 << 20; // about this much JSON per page fetched
+const KEPT_PAGES = 8;
+
+function runLabel(labels) {
+  const text = Object.entries(labels).map(([k, v]) => `${k}=${typeof v === "number" ? +v.toPrecision(4) : v}`).join(" ");
+  return text || "run";
+}
+
+class Recording {
+  constructor(index) { this.runs = index.runs; this.pages = new Map(); }
+
+  pageSize(run) { return Math.max(1, Math.min(256, Math.floor((PAGE_BYTES * run.snapshots) / Math.max(1, run.bytes)))); }
+
+  page(run, p) {
+    const key = `${run.id}:${p}`;
+    let got = this.pages.get(key);
+    if (got) this.pages.delete(key); // most recently used last
+    else {
+      const size = this.pageSize(run);
+      got = fetch(`/v1/replay?run=${run.id}&start=${p * size}&stop=${(p + 1) * size}`).then((r) => {
+        if (!r.ok) throw new Error(`the recording's page ${p} of run ${run.id}: error ${r.status}`);
+        return r.text();
+      }).then((text) => text.split("\n").filter((l) => l.trim()).map((l) => JSON.parse(l)));
+      got.catch(() => this.pages.delete(key)); // asked again next time
+    }
+    this.pages.set(key, got);
+    while (this.pages.size > KEPT_PAGES) this.pages.delete(this.pages.keys().next().value);
+    return got;
+  }
+
+  async snapshot(run, i) {
+    const size = this.pageSize(run), p = Math.floor(i / size);
+    const snaps = await this.page(run, p);
+    if ((p + 1) * size < run.snapshots && i - p * size >= size / 2) this.page(run, p + 1); // playing on: fetch ahead
+    return snaps[i - p * size];
+  }
+}
+
 async function replay() {
   $("replay").hidden = false;
-  setStatus("loading the recording…");
-  const text = await (await fetch("/v1/replay")).text();
-  const runs = new Map();
-  for (const line of text.split("\n")) {
-    if (!line.trim()) continue;
-    const snap = JSON.parse(line);
-    const label = snap.run ? Object.entries(snap.run).map(([k, v]) => `${k}=${v}`).join(" ") : "run";
-    if (!runs.has(label)) runs.set(label, []);
-    runs.get(label).push(snap);
-  }
+  $("pause").hidden = true; // the slider has its own play and pause
+  setStatus("loading the recording's index…");
+  const rec = new Recording(await (await fetch("/v1/replay/index")).json());
   const select = $("replay-run"), slider = $("replay-slider");
-  for (const label of runs.keys()) select.append(new Option(label, label));
-  let timer = null;
-  const show = () => {
-    const snaps = runs.get(select.value) || [];
-    const i = Math.min(Number(slider.value), snaps.length - 1);
+  for (const run of rec.runs) select.append(new Option(runLabel(run.labels), String(run.id)));
+  let timer = null, latest = 0;
+  const show = async () => {
+    const run = rec.runs[Number(select.value)];
+    const i = run ? Math.min(Number(slider.value), run.snapshots - 1) : -1;
     if (i < 0) return;
-    draw(snaps[i], snaps.slice(Math.max(0, i - 120), i + 1));
-    $("replay-time").textContent = `${i + 1} / ${snaps.length} · t = ${snaps[i].t.toFixed(2)} s`;
+    const ticket = ++latest;
+    let snap;
+    try {
+      snap = await rec.snapshot(run, i);
+    } catch (err) {
+      setStatus(String(err.message || err));
+      return;
+    }
+    if (ticket !== latest) return; // the slider moved on while this page loaded
+    const lo = Math.max(0, i - 120);
+    draw(snap, run.t.slice(lo, i + 1).map((t, k) => [t - run.t[i], run.host_used[lo + k], run.in_flight[lo + k]]));
+    $("replay-time").textContent = `${i + 1} / ${run.snapshots} · t = ${snap.t.toFixed(2)} s`;
   };
   select.addEventListener("change", () => {
-    slider.max = String((runs.get(select.value) || []).length - 1);
+    slider.max = String((rec.runs[Number(select.value)] || { snapshots: 0 }).snapshots - 1);
     slider.value = "0";
     show();
   });
@@ -288,7 +414,7 @@ async function replay() {
     }, 250);
   });
   select.dispatchEvent(new Event("change"));
-  setStatus(`replay · ${runs.size} run(s)`);
+  setStatus(`replay · ${rec.runs.length} run(s)`);
 }
 
 if (document.body.dataset.mode === "replay") replay(); else live();
