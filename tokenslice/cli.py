@@ -12,7 +12,7 @@ import sys
 import typing
 from typing import Any
 
-from tokenslice.config import EMBED_DTYPES, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tokenslice.config import EMBED_DTYPES, CacheConfig, CpuConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenslice.request import SamplingParams
 from tokenslice.sched.registry import POLICY_NAMES
 from tokenslice.server.settings import ServerSettings
@@ -217,13 +217,36 @@ def serve_app_from_args(a: argparse.Namespace) -> Any:
         from tokenslice.engine.core_client import EngineCoreClient
 
         engine = EngineCoreClient(config, max_waiting=settings.max_waiting,
-                                  log_level=logging.getLogger().getEffectiveLevel())
+                                  log_level=logging.getLogger().getEffectiveLevel(), cpus=cpu_plan_from_args(a))
     else:
         from tokenslice.engine.async_engine import AsyncEngine
         from tokenslice.engine.engine import Engine
 
         engine = AsyncEngine(Engine.from_config(config), max_waiting=settings.max_waiting)
     return create_app(engine, settings)
+
+
+def cpu_plan_from_args(a: argparse.Namespace) -> Any:
+    """The serve flags' CPU split (engine/cpus.py CpuPlan)."""
+    from tokenslice.engine.cpus import plan_cpus
+
+    return plan_cpus(CpuConfig(a.api_server_cpus, a.engine_threads, a.pin_cpus))
+
+
+def claim_server_cpus(a: argparse.Namespace) -> None:
+    """This process's share of the CPU split: `serve` only (tests run servers inside pytest).
+    With the core in its own process (which pins itself), the API server stays on its CPUs;
+    with the engine on a thread here, its torch threads leave the event loop its CPUs."""
+    from tokenslice.engine.cpus import pin_process
+
+    plan = cpu_plan_from_args(a)
+    if a.engine_process:
+        if plan.pin:
+            pin_process(plan.api_cpus)
+    else:
+        import torch
+
+        torch.set_num_threads(plan.engine_threads)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -236,6 +259,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except EngineStartupError as e:  # as main() answers the same errors raised in this process
         print(f"error: {e}", file=sys.stderr)
         return 2
+    claim_server_cpus(a)
     # Our own log line per request replaces uvicorn's access log (which would add nothing).
     server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level.lower(),
                                            access_log=False, timeout_graceful_shutdown=5))
@@ -797,6 +821,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_flag(s, ServerSettings, "engine_process", action=argparse.BooleanOptionalAction,
                    help="run the engine core in its own process, the default (HTTP work then never holds its "
                         "interpreter lock); --no-engine-process: on a thread of the server process")
+    add_field_flag(s, CpuConfig, "api_server_cpus",
+                   help="CPUs kept for the API server (HTTP, detokenization); the engine core gets the rest "
+                        "(0: no split)")
+    add_field_flag(s, CpuConfig, "engine_threads",
+                   help="torch threads in the engine (default: one per engine CPU, or $OMP_NUM_THREADS)")
+    add_field_flag(s, CpuConfig, "pin_cpus", action=argparse.BooleanOptionalAction,
+                   help="bind the API server and the engine core to their own CPUs (Linux; default: only "
+                        "with more than 2 CPUs)")
     s.set_defaults(func=cmd_serve)
     v = sub.add_parser("view", help="serve the live view's page over a `simulate --record-state` file, with a time slider")
     v.add_argument("file", help="JSON lines written by `tokenslice simulate --record-state`")

@@ -231,6 +231,24 @@ class ParallelConfig:
 
 
 @dataclass
+class CpuConfig:
+    """How `tokenslice serve` shares the CPUs between the API server and the engine core
+    (engine/cpus.py): the API server keeps `api_server_cpus`, the core the rest."""
+
+    api_server_cpus: int = 1  # 0: no split, both processes use every CPU
+    engine_threads: int | None = None  # torch threads in the core; None: one per engine CPU (or $OMP_NUM_THREADS)
+    # Bind each process to its CPUs (Linux). None: only with more than 2 CPUs; on 2 shared cores a
+    # pinned core cannot move away from other load (BENCHMARKS.md, threads that do not fight).
+    pin_cpus: bool | None = None
+
+    def validate(self) -> None:
+        if self.api_server_cpus < 0:
+            raise ValueError(f"api_server_cpus must be >= 0, got {self.api_server_cpus}")
+        if self.engine_threads is not None and self.engine_threads < 1:
+            raise ValueError(f"engine_threads must be >= 1, got {self.engine_threads}")
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -1,6 +1,11 @@
 """AsyncEngine: runs Engine.step() in a background thread and streams each request's outputs
 into its own asyncio queue (DESIGN.md, Data flow).
 
+Output processing overlaps the next step (vLLM v1's overlap, as the engine-core process does
+it): the loop thread only steps the engine; detokenization, stop strings and metrics run in the
+event loop while the loop computes the next step. A stop string ends the stream there and
+queues an abort, so the token of the step already in flight is computed but never sent.
+
 The Engine is not thread-safe, so only the loop thread touches it. The asyncio side sends
 commands (add, abort, priority update, stop) through a thread-safe queue that the loop drains
 between steps, and the loop hands results back with `call_soon_threadsafe`. An abort or a
@@ -18,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tokenslice.engine.detokenizer import IncrementalDetokenizer
 from tokenslice.engine.engine import Engine
 from tokenslice.exec.base import WorkerError
 from tokenslice.sched.stats import SchedulerStats
@@ -257,7 +263,10 @@ class AsyncEngine(StreamAdmission):
         self.engine = engine
         self.info = engine_info(engine)
         self.tokenizer = engine.tokenizer
-        self.observer = observer  # called in the loop thread for every output (metrics)
+        self.observer = observer  # called in the event loop for every output (metrics)
+        engine.detokenize = False  # done here, in the event loop, overlapping the next step
+        self._detoks: dict[str, IncrementalDetokenizer] = {}  # event-loop side, per live stream
+        self._stopped: set[str] = set()  # ended here on a stop string; the engine's later outputs are dropped
         self.on_dead: Callable[[], None] | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._state = _LoopState()
@@ -305,6 +314,9 @@ class AsyncEngine(StreamAdmission):
         with self._lock:
             if not self.is_alive:
                 raise EngineDeadError("the engine loop is not running")
+            if self.tokenizer is not None:
+                self._detoks[request.request_id] = IncrementalDetokenizer.for_request(
+                    self.tokenizer, request.prompt_token_ids, request.params)
             self._commands.put(_Add(stream, request))
         return await self._accepted(stream)
 
@@ -313,6 +325,7 @@ class AsyncEngine(StreamAdmission):
         self._unqueue(stream)
         if not stream.finished:
             stream.finished = True
+            self._detoks.pop(stream.request_id, None)
             self._commands.put(_Abort(stream.request_id))
 
     async def set_priority(self, request_id: str, priority: int) -> bool:
@@ -358,7 +371,32 @@ class AsyncEngine(StreamAdmission):
 
     def _deliver(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
         for stream, item in items:
+            self._detoks.pop(stream.request_id, None)
             self._put(stream, item)
+
+    def _deliver_outputs(self, items: list[tuple[RequestStream | None, RequestOutput]]) -> None:
+        """A step's outputs, in the event loop: text, stop strings, metrics, then the streams.
+        `stream` is None for a request no longer streamed (aborted)."""
+        for stream, out in items:
+            rid = out.request_id
+            if rid in self._stopped:  # the step in flight at its stop string, or the abort after it
+                if out.finished:
+                    self._stopped.discard(rid)
+                continue
+            if stream is not None:
+                det = self._detoks.get(rid)
+                if det is not None and det.apply(out):  # a stop string: end it here, free its KV there
+                    self._stopped.add(rid)
+                    self._commands.put(_Abort(rid))
+                if out.finished:
+                    self._detoks.pop(rid, None)
+            if self.observer is not None:
+                try:
+                    self.observer(out)
+                except Exception:  # metrics must never take the server down
+                    log.exception("output observer failed")
+            if stream is not None:
+                self._put(stream, out)
 
     # ---- the loop (its own thread; the only code that touches the engine) --------------------
     def _run(self) -> None:
@@ -474,18 +512,11 @@ class AsyncEngine(StreamAdmission):
                 raise RuntimeError(f"{st.consecutive_faults} engine steps failed in a row") from None
             return
         st.consecutive_faults = 0
-        items: list[tuple[RequestStream, RequestOutput | BaseException]] = []
+        items: list[tuple[RequestStream | None, RequestOutput]] = []
         for out in outputs:
-            if self.observer is not None:
-                try:
-                    self.observer(out)
-                except Exception:  # metrics must never take the engine down
-                    log.exception("output observer failed")
             stream = st.streams.get(out.request_id)
-            if stream is None:
-                continue
-            if out.finished:
+            if stream is not None and out.finished:
                 del st.streams[out.request_id]
             items.append((stream, out))
-        if items:
-            self._call_soon(self._deliver, items)
+        if items:  # processed in the event loop while this thread runs the next step
+            self._call_soon(self._deliver_outputs, items)

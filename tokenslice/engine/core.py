@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from tokenslice.config import EngineConfig
+from tokenslice.engine.cpus import CpuPlan, pin_process
 from tokenslice.engine.async_engine import MAX_CONSECUTIVE_FAULTS, EngineStats, engine_info, read_stats
 from tokenslice.engine.core_messages import (Abort, AddReply, AddRequest, CoreInput, CoreOutput, Fatal,
                                              PriorityReply, Ready, Refusal, SetPriority, Shutdown, StartupFailed,
@@ -39,21 +40,24 @@ PARENT_CHECK_MS = 1000
 SEND_LINGER_MS = 2000  # a last message (Fatal, StartupFailed) gets this long to leave
 
 
-def run_engine_core(config: bytes, input_address: str, output_address: str, log_level: int) -> None:
+def run_engine_core(config: bytes, input_address: str, output_address: str, log_level: int,
+                    cpus: CpuPlan) -> None:
     """Process entry point (multiprocessing spawn): build the engine, say Ready, run the loop.
-    `config` is a msgspec-encoded EngineConfig. Exits non-zero if the engine cannot start or fails."""
+    `config` is a msgspec-encoded EngineConfig; `cpus` the engine's CPUs and threads (engine/cpus.py).
+    Exits non-zero if the engine cannot start or fails."""
     # Ctrl-C, and SIGTERM from `timeout` or systemd, reach the whole process group: the API
     # server decides when the core stops (a core whose API server is gone exits by itself).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()
-    if "OMP_NUM_THREADS" not in os.environ:
-        import torch
+    # Stay off the API server's CPUs: on CPU, compute threads that share cores with a busy
+    # process stall at every parallel barrier. Workers started later (tensor parallel) inherit it.
+    if cpus.pin:
+        pin_process(cpus.engine_cpus)
+    import torch
 
-        # Leave a core to the API server: on CPU, compute threads that share cores with a busy
-        # process stall at every parallel barrier.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+    torch.set_num_threads(cpus.engine_threads)
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_address)

@@ -31,10 +31,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenslice.config import EngineConfig
+from tokenslice.config import CpuConfig, EngineConfig
 from tokenslice.engine.async_engine import (EngineDeadError, EngineFaultError, OutputObserver, RequestStream,
                                             StreamAdmission)
 from tokenslice.engine.core import run_engine_core
+from tokenslice.engine.cpus import CpuPlan, plan_cpus
 from tokenslice.engine.core_messages import (Abort, AddRequest, CoreMessage, CoreOutput, Fatal, Ready, Refusal,
                                              SetPriority, Shutdown, StartupFailed, StateQuery)
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
@@ -90,8 +91,9 @@ def _stop_core(process: Any) -> None:
 
 class EngineCoreClient(StreamAdmission):
     def __init__(self, config: EngineConfig, *, max_waiting: int = 1024, observer: OutputObserver | None = None,
-                 log_level: int = logging.INFO) -> None:
-        """Start the core and wait until its engine is built; raises EngineStartupError if it cannot."""
+                 log_level: int = logging.INFO, cpus: CpuPlan | None = None) -> None:
+        """Start the core and wait until its engine is built; raises EngineStartupError if it cannot.
+        `cpus`: the engine's CPUs and threads (default: CpuConfig's split of this process's CPUs)."""
         super().__init__(max_waiting)
         config.validate()
         self.observer = observer  # called in the event loop for every output of the core (metrics)
@@ -106,7 +108,8 @@ class EngineCoreClient(StreamAdmission):
         self._from_core.bind(addresses[1])
         spawn = multiprocessing.get_context("spawn")
         self.process = spawn.Process(target=run_engine_core, name="tokenslice-engine-core", daemon=False,
-                                     args=(msgspec.msgpack.encode(config), *addresses, log_level))
+                                     args=(msgspec.msgpack.encode(config), *addresses, log_level,
+                                           cpus or plan_cpus(CpuConfig())))
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CoreMessage)
         self.process.start()
@@ -290,18 +293,9 @@ class EngineCoreClient(StreamAdmission):
             return
         if out.metrics is not None:
             out.metrics = live.merge(out.metrics)
-        det = live.detok
-        if det is not None:
-            det.add_step(out.new_token_ids, out.finish_reason if out.finished else None)
-            if out.finished:
-                det.add([], final=True)  # release bytes held back waiting for a character to complete
-            if det.stopped and not out.finished:  # a stop string: end it here, free its KV there
-                out.finished, out.finish_reason = True, "stop"
-                if out.metrics is not None and out.metrics.token_times:
-                    out.metrics.finish_time = out.metrics.token_times[-1]
-                self._stopped.add(rid)
-                self._send(Abort([rid]))
-            out.text_delta = det.delta(out.finished)
+        if live.detok is not None and live.detok.apply(out):  # a stop string: end it here, free its KV there
+            self._stopped.add(rid)
+            self._send(Abort([rid]))
         self._observe(out)
         if out.finished:
             del self._live[rid]

@@ -11,10 +11,11 @@ concatenated stream equals the final text.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from tokenslice.request import SamplingParams
+from tokenslice.request import RequestOutput, SamplingParams
 
 CONTEXT_TOKENS = 5
 
@@ -96,3 +97,18 @@ class IncrementalDetokenizer:
         out = self.text[self._emitted:end]
         self._emitted = end
         return out
+
+    def apply(self, out: RequestOutput) -> bool:
+        """Fill a step output's text on the API server's side of the engine. On a stop string the
+        output becomes the request's last ("stop"), and True says the engine must be told to
+        abort it: the engine has already moved on to the next step, whose token is never sent."""
+        self.add_step(out.new_token_ids, out.finish_reason if out.finished else None)
+        if out.finished:
+            self.add([], final=True)  # release bytes held back waiting for a character to complete
+        ended_here = self.stopped and not out.finished
+        if ended_here:
+            out.finished, out.finish_reason = True, "stop"
+            if out.metrics is not None and out.metrics.token_times:  # a copy: the engine may own it
+                out.metrics = dataclasses.replace(out.metrics, finish_time=out.metrics.token_times[-1])
+        out.text_delta = self.delta(out.finished)
+        return ended_here

@@ -442,6 +442,7 @@ class Engine:
         self._step_began = self.clock.now()  # pipelined: when the loop began waiting for this batch
         if result.done_at is not None:
             self.clock.advance_to(result.done_at)
+        self.clock.advance(self._loop_seconds(len(result.sampled)))  # the driver's own time, between batches
         return self._apply(plan, result, t0, t1, counts)
 
     def _apply(self, plan: StepPlan, result: StepResult, t0: float, t1: float, counts: tuple[int, int, int]
