@@ -283,11 +283,3 @@ def test_server_with_two_ranks_answers_like_one():
     while time.monotonic() < deadline and any(_alive(p) for p in [core, *workers]):
         time.sleep(0.1)
     assert not any(_alive(p) for p in [core, *workers])  # the server's shutdown closed the engine
-
-
-def _alive(pid: int) -> bool:
-    """Running, not reaped and not a zombie."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False

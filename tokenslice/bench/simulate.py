@@ -284,10 +284,9 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
 
         engine.step_trace = StepTraceWriter(step_trace)
         engine.fast_forward = False  # every step is written (bulk repeats are exact, but not steps)
-    observe = None
+    observe: Callable[[float], None] | None = None
     if state_recorder is not None:
-        def observe(now: float) -> None:
-            state_recorder.observe(engine.scheduler, now)
+        observe = lambda now: state_recorder.observe(engine.scheduler, now)  # noqa: E731
     path = path or ServingPath()
     reqs = engine.replay(path.to_engine(workload_requests),
                          priority_updates=PriorityUpdates(priority) if priority is not None else None,
