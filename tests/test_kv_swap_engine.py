@@ -7,6 +7,7 @@ import random
 import pytest
 
 from conftest import STORIES
+from waves import run_waves
 from tokenslice import LLM, SamplingParams
 from tokenslice.config import PREEMPTION_MODES
 
@@ -56,14 +57,7 @@ SHORT = [[1] + [_WAVE_RNG.randrange(3, 500) for _ in range(3)] for _ in range(6)
 
 
 def _run_waves(llm: LLM) -> list[list[int]]:
-    eng = llm.engine
-    reqs = [eng.add_request(p, GREEDY) for p in LONG]
-    for _ in range(5):
-        eng.step()
-    reqs += [eng.add_request(p, GREEDY) for p in SHORT]
-    while eng.has_unfinished():
-        eng.step()
-    return [r.output_token_ids for r in reqs]
+    return run_waves(llm.engine, LONG, SHORT, GREEDY)
 
 
 @pytest.fixture(scope="module")

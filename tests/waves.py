@@ -19,12 +19,13 @@ LONG = [[1] + [_RNG.randrange(3, 500) for _ in range(50)] for _ in range(6)]
 SHORT = [[1] + [_RNG.randrange(3, 500) for _ in range(3)] for _ in range(6)]
 
 
-def run_waves(engine: Engine) -> list[list[int]]:
+def run_waves(engine: Engine, long: list[list[int]] = LONG, short: list[list[int]] = SHORT,
+              params: SamplingParams = GREEDY) -> list[list[int]]:
     """The long prompts, five steps, then the short ones; every request's output ids."""
-    reqs = [engine.add_request(p, GREEDY) for p in LONG]
+    reqs = [engine.add_request(p, params) for p in long]
     for _ in range(5):
         engine.step()
-    reqs += [engine.add_request(p, GREEDY) for p in SHORT]
+    reqs += [engine.add_request(p, params) for p in short]
     while engine.has_unfinished():
         engine.step()
     return [r.output_token_ids for r in reqs]
