@@ -2,22 +2,30 @@
 
 For each model — ../shared/models/stories260k and the ~56M-parameter Llama of engine_vs_hf.py
 (random weights, fp32; its step is long next to this box's timing noise) — `tokenslice twin`'s
-machinery (tokenslice.bench.twin) profiles the model on this machine (`tokenslice profile`, one
-thread, as the servers run), starts one `tokenslice serve` per policy (fcfs, skip-join-mlfq,
-srpt-predicted; max batch 16, ample KV, step traces on), measures fcfs saturation over HTTP (all
-requests at once), and replays the same Alpaca-shaped traces (GPT-2 token counts, vLLM's length
-filter, prompts sent as token ids of each request's length, outputs forced to their length) at
-Poisson rho = 0.3, 0.5, 0.7, 0.9 and Gamma CV = 4 rho = 0.8, `--repeats` times each on the real
-server and once in the simulator with the profile and the measured serving path.
+machinery (tokenslice.bench.twin) does two things:
+
+- calibration: profile the model on this machine (`tokenslice profile`, one thread, as the
+  servers run: the synthetic grid), start an fcfs server, measure fcfs saturation over HTTP (all
+  requests at once) and replay a trace of its own (seed + 1, half the requests) at rho = 0.5 and
+  0.9 with a step trace; `tokenslice profile --from-trace` fits the simulator's cost model on
+  those two runs' steps (forward pass and the loop's own time, engine/trace_fit.py), and
+  `path_under_load` reads the serving path off their requests (bench/trace_compare.py);
+- measured runs: start one `tokenslice serve` per policy (fcfs, skip-join-mlfq, srpt-predicted;
+  max batch 16, ample KV, step traces on; the policies rank by the grid profile) and replay the
+  same Alpaca-shaped traces (GPT-2 token counts, vLLM's length filter, prompts sent as token ids
+  of each request's length, outputs forced to their length) at Poisson rho = 0.3, 0.5, 0.7, 0.9
+  and Gamma CV = 4 rho = 0.8, `--repeats` times each on the real server and once per real run in
+  the simulator, its clock on the trace-fitted profile (`twin --sim-profile`), with the measured
+  serving path.
 
 Reported: mean normalized latency and mean TTFT, real (mean over repeats, spread = largest
 relative distance of a repeat from that mean) vs simulated, the error, and whether it meets the
 target (10% at rho <= 0.7, 20% at rho = 0.9 and CV = 4, or within the real spread where that is
-wider); and the per-step |error| of the profile's step time against every real step of those
-runs (held out: the profile is fitted on its own synthetic grid, never on these traces).
+wider); and the per-step |error| of both profiles (grid, trace fit) against every real step of
+the measured runs (held out: neither profile saw them).
 
 N per run is fixed per model before any result (stories260k 200, the 56M Llama 40, times
---scale) so that one command fits ~15 minutes on a quiet 2-core box; the workload, N and seed are
+--scale) so that one command fits ~8 minutes on a quiet 2-core box; the workload, N and seed are
 never tuned to reach a target.
 
     .venv/bin/python benchmarks/sim_fidelity.py [--scale 1] [--repeats 2] [--out benchmarks/results/sim_fidelity.json]
@@ -25,6 +33,7 @@ never tuned to reach a target.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -33,12 +42,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 
-from tokenslice.bench.trace_compare import steps_between
-from tokenslice.bench.twin import TwinPoint, TwinSpec, run_twin
+from tokenslice.bench.trace_compare import ingress_gap, steps_between
+from tokenslice.bench.twin import TwinPoint, TwinSpec, profile_in_child, run_twin
 from tokenslice.bench.workloads import DatasetCache
 from tokenslice.config import CacheConfig
-from tokenslice.engine.step_trace import load_step_trace
+from tokenslice.engine.step_trace import StepTraceWriter, load_step_trace
 from tokenslice.engine.trace_fit import evaluate_steps, traced_steps
 from tokenslice.exec.sim import offload_block_bytes
 from tokenslice.predict.cost import load_cost_model
@@ -47,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 POLICIES = ["fcfs", "skip-join-mlfq", "srpt-predicted"]
 POINTS = [TwinPoint(load=x) for x in (0.3, 0.5, 0.7, 0.9)] + [TwinPoint(load=0.8, cv=4.0)]
+# The calibration run the simulator's profile is fitted on: its own trace, a light and a heavy load.
+CALIBRATION = [TwinPoint(load=0.5), TwinPoint(load=0.9)]
 # model name -> (requests per run, longest prompt, longest output): the 56M Llama's steps are
 # ~20x stories260k's, so its requests are fewer and shorter to fit the time budget.
 MODELS = {"stories260k": (200, 256, 255), "llama-56m": (40, 64, 32)}
@@ -67,31 +79,63 @@ def model_dir(name: str, tmp: Path) -> str:
     return str(path)
 
 
+def step_error(cost_file: str, measured: list[Any]) -> dict[str, Any]:
+    """`profile --evaluate`'s per-step error of one profile on the measured runs' steps."""
+    cost = load_cost_model(cost_file)
+    stats = evaluate_steps(cost, measured, offload_block_bytes(CacheConfig.block_size, cost.kv_bytes_per_token))["all"]
+    return {"steps": stats.steps, "median_abs": stats.median, "p90_abs": stats.p90, "mean_signed": stats.bias,
+            "total": stats.total}
+
+
 def run_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     n, prompt_cap, output_cap = MODELS[name]
-    traces = tmp / f"{name}-traces"
+    traces, cal_traces = tmp / f"{name}-traces", tmp / f"{name}-calibration"
     spec = TwinSpec(model=model_dir(name, tmp), policies=args.policies.split(","), workload="alpaca",
                     load=1.0, num_requests=max(4, round(n * args.scale)), seed=args.seed, repeats=args.repeats,
                     dtype="float32", dataset=str(SHARED / "data"), tokenizer=str(SHARED / "tokenizers" / "gpt2"),
                     length_filter=True, max_prompt_len=prompt_cap, max_tokens_cap=output_cap, server_threads=1,
                     step_trace_dir=str(traces))
     t0 = time.perf_counter()
-    result = run_twin(spec, progress=lambda m: print(f"  [{time.perf_counter() - t0:5.0f} s] {name}: {m}",
-                                                      file=sys.stderr, flush=True),
-                      cache=DatasetCache(), points=POINTS)
+
+    def tick(m: str) -> None:
+        print(f"  [{time.perf_counter() - t0:5.0f} s] {name}: {m}", file=sys.stderr, flush=True)
+
+    # Calibration: the grid profile, saturation, and a step trace to fit the simulator's clock on.
+    cal = dataclasses.replace(spec, policies=["fcfs"], seed=args.seed + 1, repeats=1,
+                              num_requests=max(4, spec.num_requests // 2), step_trace_dir=str(cal_traces))
+    calibration = run_twin(cal, progress=lambda m: tick(f"calibration: {m}"), cache=DatasetCache(), points=CALIBRATION)
+    fitted, fit_on = cal_traces / "fitted-profile.json", cal_traces / "fit-steps.jsonl"
+    # The calibration runs' steps alone: the server's first steps after start-up and the lone
+    # probes' idle gaps are not what the measured runs meet.
+    cal_steps = load_step_trace(cal_traces / "fcfs.steps.jsonl")
+    writer = StepTraceWriter(str(fit_on))
+    for point in calibration["points"]:
+        for a, b in point["policies"]["fcfs"]["windows"]:
+            for record in steps_between(cal_steps, a, b):
+                writer.write(record)
+    writer.close()
+    tick("fitting the simulator's profile on the calibration runs' steps (profile --from-trace)")
+    profile_in_child(spec, fitted, 64, from_trace=[fit_on])
+    # The serving path as the calibration run's requests met it under load (not 8 lone probes).
+    under = [p["policies"]["fcfs"]["admission"]["path_under_load"] for p in calibration["points"]]
+    spec = dataclasses.replace(spec, profile=calibration["profile_file"], sim_profile=str(fitted),
+                               saturation_rps=calibration["saturation_rps"],
+                               ingress_s=float(np.mean([u["ingress_s"] for u in under])),
+                               egress_s=float(np.mean([u["egress_s"] for u in under])),
+                               ingress_gap_s=ingress_gap(steps_between(cal_steps, *calibration["saturation_window"])))
+    result = run_twin(spec, progress=tick, cache=DatasetCache(), points=POINTS)
     result["elapsed_s"] = time.perf_counter() - t0
-    # Per-step error (`profile --evaluate`'s) on every real step of the measured runs.
-    cost = load_cost_model(result["profile_file"])
     measured = []
     for policy in spec.policies:
         steps = load_step_trace(traces / f"{policy}.steps.jsonl")
         for point in result["points"]:
             for a, b in point["policies"][policy]["windows"]:
                 measured += traced_steps(steps_between(steps, a, b))
-    stats = evaluate_steps(cost, measured, offload_block_bytes(CacheConfig.block_size, cost.kv_bytes_per_token))["all"]
-    result["step_error"] = {"steps": stats.steps, "median_abs": stats.median, "p90_abs": stats.p90,
-                            "mean_signed": stats.bias, "total": stats.total}
-    result["profile_json"] = json.loads(Path(result["profile_file"]).read_text())
+    result["step_error"] = {"grid": step_error(spec.profile, measured), "trace-fit": step_error(str(fitted), measured)}
+    result["profile_json"] = json.loads(Path(spec.profile).read_text())
+    result["sim_profile_json"] = json.loads(fitted.read_text())
+    result["calibration"] = {"num_requests": cal.num_requests, "seed": cal.seed, "serving_path": under,
+                             "points": [dataclasses.asdict(p) for p in CALIBRATION]}
     return result
 
 
@@ -103,12 +147,18 @@ def verdict(m: dict[str, Any], bound: float) -> str:
 
 
 def table(name: str, result: dict[str, Any]) -> str:
-    se = result["step_error"]
     lines = [f"\n{name}: N = {result['num_requests']} per run, {result['spec']['repeats']} real runs per point, "
-             f"fcfs saturation {result['saturation_rps']:.3g} req/s, {result['elapsed_s']:.0f} s",
-             f"per-step |error| of the profile on {se['steps']} real steps: median {100 * se['median_abs']:.1f}%, "
-             f"p90 {100 * se['p90_abs']:.1f}% (median signed {100 * se['mean_signed']:+.1f}%, summed time "
-             f"{100 * se['total']:+.1f}%)",
+             f"fcfs saturation {result['saturation_rps']:.3g} req/s, {result['elapsed_s']:.0f} s (calibration included)"]
+    for label, se in result["step_error"].items():
+        lines.append(f"per-step |error| of the {label} profile on {se['steps']} real steps: median "
+                     f"{100 * se['median_abs']:.1f}%, p90 {100 * se['p90_abs']:.1f}% (median signed "
+                     f"{100 * se['mean_signed']:+.1f}%, summed time {100 * se['total']:+.1f}%)")
+    spec = result["spec"]
+    lines += [f"simulator: clock on the trace-fit profile, serving path in {1e3 * spec['ingress_s']:.2f} ms, out "
+              f"{1e3 * spec['egress_s']:.2f} ms, {1e3 * spec['ingress_gap_s']:.2f} ms per request taken in (calibration "
+              f"runs); per request of the first run, real / "
+              f"simulated: send to the step running its prompt (ms), steps begun in between, that step's start to "
+              f"the first token (ms)",
              f"| point | policy | real norm. latency (spread) | simulated | error | | real TTFT (spread) | simulated "
              f"| error | |", "|---|---|---|---|---|---|---|---|---|---|"]
     for point in result["points"]:
@@ -120,6 +170,12 @@ def table(name: str, result: dict[str, Any]) -> str:
                 cells += [f"{m['real']:.4g} ({100 * (m['real_spread'] or 0):.0f}%)", f"{m['sim']:.4g}",
                           f"{100 * m['error']:+.1f}%", verdict(m, target(p))]
             lines.append(f"| {p.label()} | {policy} | " + " | ".join(cells) + " |")
+        for policy, data in point["policies"].items():
+            real, sim = data["admission"]["real"], data["admission"]["sim"]
+            if real.get("requests") and sim.get("requests"):
+                lines.append(f"  {p.label()}, {policy}: wait {1e3 * real['mean_wait_s']:.2f} / {1e3 * sim['mean_wait_s']:.2f}, "
+                             f"steps {real['mean_steps_before']:.2f} / {sim['mean_steps_before']:.2f}, first token "
+                             f"{1e3 * real['mean_first_s']:.2f} / {1e3 * sim['mean_first_s']:.2f}")
     return "\n".join(lines)
 
 

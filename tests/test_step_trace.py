@@ -46,6 +46,10 @@ def test_trace_round_trips_and_matches_the_engine(tmp_path, preemption):
         assert sum(r.swap_in_blocks for r in records) * block_bytes == stats.swap_in_bytes
         assert sum(r.swap_out_runs + r.swap_in_runs for r in records) == stats.swap_ops
     assert any(r.preempted for r in records) and any(r.waiting for r in records)
+    # Each prefill slice names its request: all 12 requests' prompts, each started once from 0.
+    assert all(len(r.prefill_ids) == len(r.prefill) for r in records)
+    fresh = [rid for r in records for rid, (_, past) in zip(r.prefill_ids, r.prefill) if past == 0]
+    assert len(set(fresh)) == 12
 
 
 @pytest.mark.parametrize("process", ["--engine-process", "--no-engine-process"])

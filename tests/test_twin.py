@@ -55,6 +55,10 @@ def test_twin_end_to_end_on_stories260k(tmp_path: Path) -> None:
     for run in fcfs["steps"]["real"]:
         assert run["prefill_steps"] >= 1 and run["steps"] >= 6
     assert (traces / "profile.json").is_file()
+    # The first run followed request by request on both sides: all 6 reached a prompt step.
+    adm = fcfs["admission"]
+    assert adm["real"]["requests"] == adm["sim"]["requests"] == 6
+    assert adm["path_under_load"]["ingress_s"] > 0 and adm["path_under_load"]["egress_s"] > 0
 
 
 def test_serving_path_shifts_what_the_client_sees_and_nothing_else() -> None:
@@ -128,3 +132,80 @@ def test_serving_path_read_off_lone_requests_and_their_steps() -> None:
     summary = trace_summary(steps)
     assert summary["steps"] == 4 and summary["prefill_steps"] == 2 and summary["mean_prefill_chunk"] == 16
     assert summary["median_period_s"] == pytest.approx(0.006)  # the idle gap between the requests is no step's
+
+
+def test_admissions_follow_each_simulated_request_to_its_prompt_step(tmp_path: Path) -> None:
+    from tokenslice.bench.trace_compare import admissions
+
+    cost = load_cost_model("opt-13b@a100-40gb")
+    wl = make_workload("synthetic-fixed", num_requests=30, rate=20.0, seed=1, input_len=24, output_len=6)
+    path = ServingPath(0.004, 0.002)
+    records, _ = simulate_run(cost, wl, SchedulerConfig(policy="fcfs", max_batch_size=4), kv_cache_blocks=2048,
+                              path=path, step_trace=str(tmp_path / "s.jsonl"), enable_prefix_caching=False)
+    steps = load_step_trace(tmp_path / "s.jsonl")
+    adm = {a.request_id: a for a in admissions(records, 0.0, steps)}
+    assert set(adm) == {r.request_id for r in records}
+    by_id = {s: i for i, step in enumerate(steps) for s in step.prefill_ids}
+    for r in records:
+        a, step = adm[r.request_id], steps[by_id[r.request_id]]
+        # The engine had it ingress_s after the send; the first token reached the client egress_s
+        # after the step that computed it (a whole prompt in one step here) ended.
+        assert a.wait_s >= path.ingress_s - 1e-12
+        assert a.wait_s == pytest.approx(step.start - r.arrival)
+        assert r.first_token_time == pytest.approx(step.start + a.first_s)
+        assert a.first_s >= step.step_seconds + path.egress_s - 1e-12
+        assert a.steps_before == sum(1 for s in steps if r.arrival <= s.start < step.start)
+
+
+def test_serving_path_under_load_read_off_a_busy_trace() -> None:
+    from tokenslice.bench.client import ClientRecord
+    from tokenslice.bench.trace_compare import admissions, path_under_load
+    from tokenslice.engine.step_trace import StepRecord
+
+    # Steps of 1 ms back to back from t = 10 s. Request "a" is sent 0.5 ms into step 1 and its
+    # prompt runs in step 3: the engine got it during step 2 (it missed the read before step 2),
+    # 0.5 to 1.5 ms after the send. Request "b" is sent while the engine idles after step 4 and
+    # runs at once in step 5, 2 ms later: exactly its ingress. Each first token reaches the
+    # client 3 ms after its step ended.
+    starts = [10.000, 10.001, 10.002, 10.003, 10.0105]
+    steps = [StepRecord(k + 1, t, decode=[20], sampled=1, running=1, execute_s=0.001) for k, t in enumerate(starts)]
+    steps[2] = StepRecord(3, starts[2], prefill=[[8, 0]], prefill_ids=["cmpl-a"], decode=[20], sampled=2, running=2,
+                          execute_s=0.001)
+    steps[3].finished = 2
+    steps[4] = StepRecord(5, starts[4], prefill=[[8, 0]], prefill_ids=["cmpl-b"], sampled=1, running=1,
+                          execute_s=0.001)
+    zero = 10.0
+    records = [ClientRecord(request_id="a", arrival=0.0005, first_token_time=0.003 + 0.003),
+               ClientRecord(request_id="b", arrival=0.0085, first_token_time=0.0115 + 0.003)]
+    adm = admissions(records, zero, steps, {"a": "cmpl-a", "b": "cmpl-b"})
+    assert [a.request_id for a in adm] == ["a", "b"]
+    assert adm[0].ingress_s == pytest.approx((0.0005, 0.0015)) and adm[0].steps_before == 1
+    assert adm[1].ingress_s == pytest.approx((0.002, 0.002)) and adm[1].steps_before == 0
+    assert adm[0].out_s == pytest.approx(0.003) and adm[1].first_s == pytest.approx(0.004)
+    path = path_under_load(adm)
+    assert path.ingress_s == pytest.approx((0.001 + 0.002) / 2) and path.egress_s == pytest.approx(0.003)
+
+
+def test_a_burst_reaches_the_engine_one_ingress_gap_apart() -> None:
+    from tokenslice.bench.trace_compare import ingress_gap
+    from tokenslice.bench.workloads import WorkloadRequest
+    from tokenslice.engine.step_trace import StepRecord
+
+    # Simulated: 5 requests sent at once, one 1 s later; 2 ms in, then 3 ms each behind the one before.
+    reqs = [WorkloadRequest(f"r{i}", 0.0 if i < 5 else 1.0, None, 8, 4) for i in range(6)]
+    path = ServingPath(ingress_s=0.002, egress_s=0.001, ingress_gap_s=0.003)
+    delays = path.ingress_delays(reqs)
+    assert [delays[f"r{i}"] for i in range(6)] == pytest.approx([0.002, 0.005, 0.008, 0.011, 0.014, 0.002])
+    assert [r.arrival_time for r in path.to_engine(reqs)] == pytest.approx([0.002, 0.005, 0.008, 0.011, 0.014, 1.002])
+    cost = load_cost_model("opt-13b@a100-40gb")
+    seen, _ = simulate_run(cost, reqs, SchedulerConfig(policy="fcfs", max_batch_size=8), kv_cache_blocks=256, path=path)
+    assert [r.arrival for r in seen] == pytest.approx([r.arrival_time for r in reqs])  # the client's send times
+    assert all(r.queue_s >= delays[r.request_id] + path.egress_s - 1e-12 for r in seen)
+
+    # Read back off a real-like trace: a burst of 7 reaches an idle engine, 2 before its first
+    # step, then one more every 4 ms (steps of 2 ms, each reading what came in during the last).
+    steps, held = [], [2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7]
+    for k, n in enumerate(held):
+        steps.append(StepRecord(k + 1, 50.0 + 0.002 * k, decode=[9] * n, sampled=n, running=n))
+    steps[-1].finished = 7
+    assert ingress_gap(steps) == pytest.approx((0.002 * 10) / 5)

@@ -8,13 +8,16 @@ defaults) leaves a simulation exactly as it was, so simulated sweeps keep their 
 
 The engine sees a request `ingress_s` after the client sent it, and the client sees each token
 `egress_s` after the engine produced it; latencies stay measured from the client's send time.
+The API server takes requests in one at a time (one event loop parses, tokenizes and forwards
+each), so a burst reaches the engine spread out: with `ingress_gap_s`, two requests reach it at
+least that far apart, a single-server queue in front of the engine.
 No torch here.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenslice.bench.metrics import RequestRecord
@@ -25,37 +28,51 @@ from tokenslice.bench.workloads import WorkloadRequest
 class ServingPath:
     ingress_s: float = 0.0  # client send -> the engine can schedule the request
     egress_s: float = 0.0  # token produced -> the client has read it
+    ingress_gap_s: float = 0.0  # the API server's own time per request: arrivals queue behind it
 
     def validate(self) -> None:
-        for name in ("ingress_s", "egress_s"):
+        for name in ("ingress_s", "egress_s", "ingress_gap_s"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a non-negative number of seconds, got {v}")
 
     @property
     def is_zero(self) -> bool:
-        return self.ingress_s == 0.0 and self.egress_s == 0.0
+        return self.ingress_s == 0.0 and self.egress_s == 0.0 and self.ingress_gap_s == 0.0
+
+    def ingress_delays(self, requests: Sequence[WorkloadRequest]) -> dict[str, float]:
+        """Per request id, from the client's send to the engine having it: `ingress_s`, plus the
+        wait behind earlier requests still being taken in (`ingress_gap_s` each), in send order."""
+        delays, free = {}, -math.inf
+        for r in sorted(requests, key=lambda r: r.arrival_time):
+            free = max(r.arrival_time + self.ingress_s, free + self.ingress_gap_s)
+            delays[r.request_id] = free - r.arrival_time
+        return delays
 
     def to_engine(self, requests: Sequence[WorkloadRequest]) -> list[WorkloadRequest]:
-        """The requests as the engine receives them: each `ingress_s` later."""
-        if self.ingress_s == 0.0:
+        """The requests as the engine receives them: each `ingress_delays` later."""
+        if self.ingress_s == 0.0 and self.ingress_gap_s == 0.0:
             return list(requests)
-        return [dataclasses.replace(r, arrival_time=r.arrival_time + self.ingress_s) for r in requests]
+        delays = self.ingress_delays(requests)
+        return [dataclasses.replace(r, arrival_time=r.arrival_time + delays[r.request_id]) for r in requests]
 
-    def to_client(self, records: Sequence[RequestRecord]) -> list[RequestRecord]:
-        """Engine-side records as the client sees them: sent `ingress_s` earlier, every token and
-        the finish `egress_s` later. Queueing time absorbs both (the request waited outside the
-        engine); execution time is the engine's."""
+    def to_client(self, records: Sequence[RequestRecord], delays: Mapping[str, float] | None = None
+                  ) -> list[RequestRecord]:
+        """Engine-side records as the client sees them: sent their ingress delay earlier (`delays`,
+        from `ingress_delays`; default `ingress_s`), every token and the finish `egress_s` later.
+        Queueing time absorbs both (the request waited outside the engine); execution time is the
+        engine's."""
         if self.is_zero:
             return list(records)
         shift = self.egress_s
         out = []
         for r in records:
+            ingress = self.ingress_s if delays is None else delays.get(r.request_id, self.ingress_s)
             out.append(dataclasses.replace(
-                r, arrival=r.arrival - self.ingress_s, token_times=[t + shift for t in r.token_times],
+                r, arrival=r.arrival - ingress, token_times=[t + shift for t in r.token_times],
                 first_token_time=None if r.first_token_time is None else r.first_token_time + shift,
                 finish_time=None if r.finish_time is None else r.finish_time + shift,
-                queue_s=r.queue_s + self.ingress_s + shift))
+                queue_s=r.queue_s + ingress + shift))
         return out
 
 

@@ -288,11 +288,12 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     if state_recorder is not None:
         observe = lambda now: state_recorder.observe(engine.scheduler, now)  # noqa: E731
     path = path or ServingPath()
+    delays = path.ingress_delays(workload_requests) if not path.is_zero else None
     reqs = engine.replay(path.to_engine(workload_requests),
                          priority_updates=PriorityUpdates(priority) if priority is not None else None,
                          on_advance=observe)
     engine.close()
-    return path.to_client(records_from_requests(reqs)), engine_counters(engine)
+    return path.to_client(records_from_requests(reqs), delays), engine_counters(engine)
 
 
 def ample_kv_blocks(requests: Sequence[WorkloadRequest], max_batch_size: int,

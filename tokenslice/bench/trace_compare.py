@@ -6,17 +6,22 @@ where a simulator can go wrong — how many steps, how full, how prefill is chun
 step lasts from one start to the next (the loop's own work between steps included), swap work —
 computed the same way for both. `measure_path` finds the serving path outside the engine (HTTP,
 tokenization, ZMQ in; ZMQ, detokenization, SSE out) from lone requests: with nothing else live,
-a request's prompt runs in the first step after it was sent.
+a request's prompt runs in the first step after it was sent. `admissions` follows every request
+of a run (by the ids a trace records per prefill slice) from its send to the step that began its
+prompt and from that step to the client's first token, on either side.
 No torch here.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from tokenslice.bench.client import ClientRecord
+from tokenslice.bench.metrics import RequestRecord
 from tokenslice.bench.serving_path import ServingPath
 from tokenslice.engine.step_trace import StepRecord
 
@@ -76,4 +81,92 @@ def measure_path(lone: Sequence[tuple[float, ClientRecord]], steps: Sequence[Ste
     return ServingPath(float(np.median(ins)), float(np.median(outs)))
 
 
-__all__ = ["steps_between", "step_periods", "trace_summary", "measure_path", "CLOCK_SLACK_S"]
+@dataclass(frozen=True)
+class Admission:
+    """One request's way to its first token. `wait_s`: from the client's send to the start of the
+    step that ran its first prompt chunk; `steps_before`: the steps that began in that time (each
+    one it could have joined); `first_s`: from that step's start to the client reading the token
+    (comparable on both sides); `out_s`: from that step's end as the trace timed it (schedule +
+    execute + update; real traces only) to the token. `ingress_s`: bounds on when the engine got
+    it — the core reads its socket just before a step starts, so after the step before that one
+    began (exact when that step had ended before the send: the core sat idle on its socket)."""
+
+    request_id: str
+    wait_s: float
+    steps_before: int
+    first_s: float
+    out_s: float
+    ingress_s: tuple[float, float]
+    live: int  # requests live in the engine when it was sent (the step before's)
+
+
+def _end(step: StepRecord) -> float:
+    return step.start + step.schedule_s + step.execute_s + step.update_s
+
+
+def admissions(records: Sequence[RequestRecord], zero: float, steps: Sequence[StepRecord],
+               engine_ids: Mapping[str, str] | None = None) -> list[Admission]:
+    """Per request of a run whose steps recorded `prefill_ids`: `zero` is the clock time of the
+    records' 0 (the run's wall start; 0.0 for the simulator), `engine_ids` maps a record's id to
+    the engine's (the server's response id) where they differ."""
+    first: dict[str, int] = {}
+    for i, s in enumerate(steps):
+        for rid in s.prefill_ids:
+            first.setdefault(rid, i)
+    starts = [s.start for s in steps]
+    out = []
+    for rec in records:
+        rid = (engine_ids or {}).get(rec.request_id, rec.request_id)
+        if rid not in first or rec.first_token_time is None:
+            continue
+        j = first[rid]
+        step, prev = steps[j], steps[j - 1] if j else None
+        sent, token = zero + rec.arrival, zero + rec.first_token_time
+        wait = step.start - sent
+        idle = prev is None or _end(prev) <= sent
+        lo = wait if idle else max(0.0, prev.start - sent)
+        live = 0 if prev is None else prev.running + prev.waiting + prev.preempted - prev.finished
+        out.append(Admission(rec.request_id, wait, j - bisect.bisect_left(starts, sent, hi=j), token - step.start,
+                             token - _end(step), (min(lo, wait), wait), live))
+    return out
+
+
+def admission_summary(adm: Sequence[Admission]) -> dict[str, Any]:
+    """Means and medians of `admissions`, comparable between the real run and its simulation."""
+    if not adm:
+        return {"requests": 0}
+    out: dict[str, Any] = {"requests": len(adm)}
+    for key in ("wait_s", "steps_before", "first_s"):
+        v = np.array([getattr(a, key) for a in adm], dtype=float)
+        out[f"mean_{key}"], out[f"median_{key}"] = float(v.mean()), float(np.median(v))
+    return out
+
+
+def path_under_load(adm: Sequence[Admission]) -> ServingPath:
+    """The serving path as a loaded server's requests met it (`admissions` of a real run): in,
+    the median of each request's ingress bounds' midpoint; out, the median from the end of the
+    step that computed the first token to the client reading it."""
+    if not adm:
+        raise ValueError("no request of the run could be followed through the step trace")
+    return ServingPath(float(np.median([(a.ingress_s[0] + a.ingress_s[1]) / 2 for a in adm])),
+                       float(max(0.0, np.median([a.out_s for a in adm]))))
+
+
+def ingress_gap(steps: Sequence[StepRecord]) -> float:
+    """The API server's time per request (ServingPath.ingress_gap_s) from the steps of a burst
+    sent all at once to an idle engine: the engine holds more requests at each step (live, plus
+    those finished since the burst began) until all have come through; the time that took over
+    the requests it took in after the burst's first step."""
+    finished, held = 0, []
+    for s in steps:
+        held.append((s.start, s.running + s.waiting + s.preempted + finished))
+        finished += s.finished
+    if not held:
+        return 0.0
+    (t0, k0), top = held[0], max(k for _, k in held)
+    t_all = next(t for t, k in held if k == top)
+    return (t_all - t0) / (top - k0) if top > k0 else 0.0
+
+
+__all__ = ["steps_between", "step_periods", "trace_summary", "measure_path", "Admission", "admissions",
+           "admission_summary", "path_under_load", "ingress_gap", "CLOCK_SLACK_S"]

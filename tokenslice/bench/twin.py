@@ -35,7 +35,8 @@ from tokenslice.bench.metrics import RequestRecord, percentile, summarize
 from tokenslice.bench.serving_path import ServingPath
 from tokenslice.bench.simulate import SIMULATE_MAX_BATCH_SIZE, ample_kv_blocks, simulate_run
 from tokenslice.bench.sweep import ServerProcess, ServerSpec, warm_up
-from tokenslice.bench.trace_compare import measure_path, steps_between, trace_summary
+from tokenslice.bench.trace_compare import admission_summary, admissions, measure_path, path_under_load, steps_between, \
+    trace_summary
 from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload
 from tokenslice.config import CacheConfig, ModelConfig, SchedulerConfig, field_from
 from tokenslice.engine.step_trace import load_step_trace
@@ -89,6 +90,11 @@ class TwinSpec:
     server_step_trace: str | None = None  # with `url`: the file its --step-trace writes (None: no step data)
     step_trace_dir: str | None = None  # keep the servers' step traces here (None: a temporary directory)
     serving_path: bool = True  # model the HTTP path in the simulator (False: the bare engine)
+    # The serving path, when known (e.g. measured under load on a calibration run with
+    # `path_under_load`); None: probed on each server with lone requests.
+    ingress_s: float | None = None
+    egress_s: float | None = None
+    ingress_gap_s: float = 0.0  # with them: the API server's time per request (ServingPath)
     warmup_requests: int = 8
 
     def validate(self) -> None:
@@ -133,15 +139,18 @@ class TwinSpec:
 ProgressFn = Callable[[str], None]
 
 
-def profile_in_child(spec: TwinSpec, out: Path, max_context: int) -> None:
+def profile_in_child(spec: TwinSpec, out: Path, max_context: int, from_trace: Sequence[Path] = ()) -> None:
     """`tokenslice profile` for the served model, in a child process with the server's threads,
-    up to the longest context the trace reaches."""
+    up to the longest context the trace reaches; with `from_trace`, fitted on those step traces
+    of the served model instead (`profile --from-trace`)."""
     env = dict(os.environ)
     if spec.server_threads is not None:
         env["OMP_NUM_THREADS"] = str(spec.server_threads)
     cmd = [sys.executable, "-m", "tokenslice.cli", "--log-level", "WARNING", "profile", "--model", spec.model,
            "--dtype", spec.dtype, "--max-batch-size", str(spec.max_batch_size), "--max-context", str(max_context),
            "--out", str(out), "--quiet"]
+    if from_trace:
+        cmd += ["--block-size", str(spec.block_size), "--from-trace", *map(str, from_trace)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"tokenslice profile failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -275,6 +284,7 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
         slo = SLO_DECODE_FACTOR * cost.min_iteration_seconds()
         kv_blocks = ample_kv_blocks(every, spec.max_batch_size, spec.block_size)
         saturation = spec.saturation_rps
+        saturation_window: tuple[float, float] | None = None  # when measured here: its run's wall clock
         results: list[dict[str, Any]] = [{"point": dataclasses.asdict(p), "policies": {}} for p in points]
         paths: dict[str, dict[str, float]] = {}
         for policy in spec.policies:
@@ -286,37 +296,58 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
             side = TwinServer(spec, policy, spec.server_args(profile, kv_blocks, slo, str(step_file)), step_file)
             try:
                 warm_up(side.client, spec.warmup_requests)
-                path = probe_path(side) if spec.serving_path and has_steps else ServingPath()
+                if not spec.serving_path:
+                    path = ServingPath()
+                elif spec.ingress_s is not None and spec.egress_s is not None:
+                    path = ServingPath(spec.ingress_s, spec.egress_s, spec.ingress_gap_s)
+                else:
+                    path = probe_path(side) if has_steps else ServingPath()
                 paths[policy] = dataclasses.asdict(path)
                 if saturation is None and any(p.rate is None for p in points):
                     tick(f"{policy}: measuring saturation (all {spec.num_requests} requests at once)")
                     burst = spec.make(None, 1.0, cache, salt=spec.repeats)
-                    saturation = twin_metrics(side.run(burst).records)["throughput_rps"]
+                    res = side.run(burst)
+                    saturation = twin_metrics(res.records)["throughput_rps"]
+                    saturation_window = (res.wall_start, res.wall_start + res.duration_s)
                 for i, point in enumerate(points):
                     rate = point.rate if point.rate is not None else (point.load or 0.0) * (saturation or 0.0)
                     runs, sims, windows = [], [], []
                     sim_file = trace_dir / f"{policy}.point{i}.sim-steps.jsonl"
                     for k in range(spec.repeats):  # same lengths and arrivals, fresh prompt ids (salt)
                         tick(f"{policy}, {point.label()}: real run {k + 1}/{spec.repeats}")
-                        trace = spec.make(rate, point.cv, cache, salt=k)
+                        # No salt twice on one server (the saturation burst has `repeats`): a run
+                        # would find an earlier one's prompts in the prefix cache, the simulator not.
+                        trace = spec.make(rate, point.cv, cache, salt=k + i * (spec.repeats + 1))
                         res = side.run(trace)
                         runs.append(twin_metrics(res.records))
                         windows.append((res.wall_start, res.wall_start + res.duration_s))
                         # The simulator replays each run as the client really sent it.
-                        sims.append(twin_metrics(_simulate_point(spec, policy, costs, as_sent(trace, res.records), slo,
-                                                                 kv_blocks, path, sim_file if k == 0 else None)))
+                        sim_records = _simulate_point(spec, policy, costs, as_sent(trace, res.records), slo,
+                                                      kv_blocks, path, sim_file if k == 0 else None)
+                        sims.append(twin_metrics(sim_records))
+                        if k == 0:
+                            first_run = (res, sim_records)
                     steps = load_step_trace(step_file) if has_steps else []
+                    sim_steps = load_step_trace(sim_file)
+                    res, sim_records = first_run
+                    ids = {r.request_id: r.response_id for r in res.records if r.response_id}
+                    real_adm = admissions(res.records, res.wall_start, steps, ids)
                     results[i]["rate"] = rate
                     results[i]["policies"][policy] = {
                         "metrics": compare(runs, sims), "serving_path": paths[policy],
                         "windows": windows,
                         "steps": {"real": [trace_summary(steps_between(steps, a, b)) for a, b in windows],
-                                  "sim": trace_summary(load_step_trace(sim_file))}}
+                                  "sim": trace_summary(sim_steps)},
+                        # The first run, request by request: send -> the step running its prompt -> first token.
+                        "admission": {"real": admission_summary(real_adm),
+                                      "sim": admission_summary(admissions(sim_records, 0.0, sim_steps)),
+                                      "path_under_load": dataclasses.asdict(path_under_load(real_adm))
+                                      if real_adm else None}}
             finally:
                 side.stop()
         return {"tool": "twin", "model": spec.model, "profile": profile if spec.profile else cost.name,
                 "profile_file": profile, "sim_profile": costs[0].name, "spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "policies"},
-                "saturation_rps": saturation, "num_requests": spec.num_requests, "slo_normalized_latency": slo,
+                "saturation_rps": saturation, "saturation_window": saturation_window, "num_requests": spec.num_requests, "slo_normalized_latency": slo,
                 "kv_cache_blocks": kv_blocks, "step_trace_dir": spec.step_trace_dir, "points": results}
 
 
@@ -348,6 +379,14 @@ def format_twin(result: Mapping[str, Any]) -> str:
                 lines.append("  steps (real / simulated): " + ", ".join(
                     f"{k} {num(float(np.mean([r[k] for r in real if r[k] is not None] or [np.nan])))} / {num(sim[k])}"
                     for k in sim))
+            adm = data.get("admission", {})
+            if adm.get("real", {}).get("requests") and adm.get("sim", {}).get("requests"):
+                lines.append("  first run, per request (real / simulated): " + ", ".join(
+                    f"{k} {num(adm['real'][k])} / {num(adm['sim'][k])}" for k in adm["sim"] if k != "requests"))
+                if adm.get("path_under_load"):
+                    under = adm["path_under_load"]
+                    lines.append(f"  serving path under this load (real): in {1e3 * under['ingress_s']:.2f} ms, "
+                                 f"out {1e3 * under['egress_s']:.2f} ms")
     return "\n".join(lines)
 
 

@@ -39,6 +39,7 @@ class StepRecord:
     update_s: float = 0.0
     step_seconds: float = 0.0  # StepResult: the executor's step, synchronous copies included
     transfer_seconds: float = 0.0
+    prefill_ids: list[str] = field(default_factory=list)  # the request of each prefill slice, in order
 
 
 def step_record(step: int, start: float, plan: StepPlan, result: StepResult, counts: tuple[int, int, int],
@@ -57,7 +58,8 @@ def step_record(step: int, start: float, plan: StepPlan, result: StepResult, cou
         async_started=len(plan.async_transfers), async_blocks=sum(len(t.pairs) for t in plan.async_transfers),
         async_done=len(result.transfers_done), dropped=len(plan.drop), finished=finished,
         schedule_s=times[0], execute_s=times[1], update_s=times[2],
-        step_seconds=result.step_seconds, transfer_seconds=result.transfer_seconds)
+        step_seconds=result.step_seconds, transfer_seconds=result.transfer_seconds,
+        prefill_ids=[s.request_id for s in plan.prefill])
 
 
 class StepTraceWriter:
