@@ -71,6 +71,14 @@ def _rank_actor_pids(head_pid: int) -> set[int]:
     return pids
 
 
+def _gone(pid: int) -> bool:
+    """Exited (a zombie counts: its parent may be gone too)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 @dataclass
 class Head:
     address: str
@@ -240,18 +248,13 @@ def test_serve_over_ray_cluster(ray_head, caplog):
     until(lambda: not (_rank_actor_pids(ray_head.pid) - before), timeout=60)  # the core's actors are gone
 
 
-def _gone(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def test_lost_node_fails_requests_in_flight(ray_head):
     """A second node (`ray start --address`: its own raylet, on this machine) holds one pipeline
     stage of -tp 2 -pp 2, since this test holds 2 of the head's 4 CPUs. Its process group killed
     while a request is in flight: the engine raises WorkerError naming a rank of that stage and
-    the node, Ray declares the node dead, and none of the node's processes is left."""
+    the node, Ray declares the node dead, and neither the node's processes nor the engine's actors
+    are left."""
+    before = _rank_actor_pids(ray_head.pid)
     ray.init(address=ray_head.address, logging_level="warning")  # the engine joins this connection
     try:
         with _ray_node(ray_head.tmp, "node2", f"--address={ray_head.address}", "--num-cpus=2") as node:
@@ -275,6 +278,7 @@ def test_lost_node_fails_requests_in_flight(ray_head):
                         engine.step()
             until(lambda: not any(n["Alive"] for n in ray.nodes() if n["NodeID"] == node_id), timeout=60)
             until(lambda: all(_gone(p) for p in doomed), timeout=60)
+            until(lambda: not (_rank_actor_pids(ray_head.pid) - before), timeout=60)  # the head's stage too
             remove_placement_group(held)
     finally:
         ray.shutdown()
