@@ -148,19 +148,19 @@ def verdict(m: dict[str, Any], bound: float) -> str:
 
 def table(name: str, result: dict[str, Any]) -> str:
     lines = [f"\n{name}: N = {result['num_requests']} per run, {result['spec']['repeats']} real runs per point, "
-             f"fcfs saturation {result['saturation_rps']:.3g} req/s, {result['elapsed_s']:.0f} s (calibration included)"]
+             f"fcfs saturation {result['saturation_rps']:.3g} req/s, {result['elapsed_s']:.0f} s "
+             f"(calibration included)"]
     for label, se in result["step_error"].items():
         lines.append(f"per-step |error| of the {label} profile on {se['steps']} real steps: median "
                      f"{100 * se['median_abs']:.1f}%, p90 {100 * se['p90_abs']:.1f}% (median signed "
                      f"{100 * se['mean_signed']:+.1f}%, summed time {100 * se['total']:+.1f}%)")
     spec = result["spec"]
     lines += [f"simulator: clock on the trace-fit profile, serving path in {1e3 * spec['ingress_s']:.2f} ms, out "
-              f"{1e3 * spec['egress_s']:.2f} ms, {1e3 * spec['ingress_gap_s']:.2f} ms per request taken in (calibration "
-              f"runs); per request of the first run, real / "
-              f"simulated: send to the step running its prompt (ms), steps begun in between, that step's start to "
-              f"the first token (ms)",
-             f"| point | policy | real norm. latency (spread) | simulated | error | | real TTFT (spread) | simulated "
-             f"| error | |", "|---|---|---|---|---|---|---|---|---|---|"]
+              f"{1e3 * spec['egress_s']:.2f} ms, {1e3 * spec['ingress_gap_s']:.2f} ms per request taken in "
+              "(calibration runs); per request of the first run, real / simulated: send to the step running its "
+              "prompt (ms), steps begun in between, that step's start to the first token (ms)",
+             "| point | policy | real norm. latency (spread) | simulated | error | | real TTFT (spread) | simulated "
+             "| error | |", "|---|---|---|---|---|---|---|---|---|---|"]
     for point in result["points"]:
         p = TwinPoint(**point["point"])
         for policy, data in point["policies"].items():
@@ -173,8 +173,9 @@ def table(name: str, result: dict[str, Any]) -> str:
         for policy, data in point["policies"].items():
             real, sim = data["admission"]["real"], data["admission"]["sim"]
             if real.get("requests") and sim.get("requests"):
-                lines.append(f"  {p.label()}, {policy}: wait {1e3 * real['mean_wait_s']:.2f} / {1e3 * sim['mean_wait_s']:.2f}, "
-                             f"steps {real['mean_steps_before']:.2f} / {sim['mean_steps_before']:.2f}, first token "
+                lines.append(f"  {p.label()}, {policy}: wait {1e3 * real['mean_wait_s']:.2f} / "
+                             f"{1e3 * sim['mean_wait_s']:.2f}, steps {real['mean_steps_before']:.2f} / "
+                             f"{sim['mean_steps_before']:.2f}, first token "
                              f"{1e3 * real['mean_first_s']:.2f} / {1e3 * sim['mean_first_s']:.2f}")
     return "\n".join(lines)
 

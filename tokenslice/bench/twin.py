@@ -35,8 +35,8 @@ from tokenslice.bench.metrics import RequestRecord, percentile, summarize
 from tokenslice.bench.serving_path import ServingPath
 from tokenslice.bench.simulate import SIMULATE_MAX_BATCH_SIZE, ample_kv_blocks, simulate_run
 from tokenslice.bench.sweep import ServerProcess, ServerSpec, warm_up
-from tokenslice.bench.trace_compare import admission_summary, admissions, measure_path, path_under_load, steps_between, \
-    trace_summary
+from tokenslice.bench.trace_compare import admission_summary, admissions, measure_path, path_under_load, \
+    steps_between, trace_summary
 from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload
 from tokenslice.config import CacheConfig, ModelConfig, SchedulerConfig, field_from
 from tokenslice.engine.step_trace import load_step_trace
@@ -347,7 +347,8 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
                 side.stop()
         return {"tool": "twin", "model": spec.model, "profile": profile if spec.profile else cost.name,
                 "profile_file": profile, "sim_profile": costs[0].name, "spec": {k: v for k, v in dataclasses.asdict(spec).items() if k != "policies"},
-                "saturation_rps": saturation, "saturation_window": saturation_window, "num_requests": spec.num_requests, "slo_normalized_latency": slo,
+                "saturation_rps": saturation, "saturation_window": saturation_window,
+                "num_requests": spec.num_requests, "slo_normalized_latency": slo,
                 "kv_cache_blocks": kv_blocks, "step_trace_dir": spec.step_trace_dir, "points": results}
 
 
