@@ -90,8 +90,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(ModelConfig, "persistent_batch", action=argparse.BooleanOptionalAction,
          help="keep decode block tables between steps, updating what changed (on by default); "
               "off: rebuild them every step")
-    flag(ModelConfig, "compile", help="CPU: run decode steps compiled by torch.compile (inductor; "
-                                      "compiles on the first decode step)")
+    flag(ModelConfig, "compile", action=argparse.BooleanOptionalAction,
+         help="CPU: run decode steps compiled by torch.compile (inductor; compiles at start-up)")
     flag(ModelConfig, "cuda_graphs", action=argparse.BooleanOptionalAction,
          help="CUDA: replay decode steps from CUDA graphs captured at start-up (on by default)")
     flag(CacheConfig, "block_size")
