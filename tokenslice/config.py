@@ -71,7 +71,7 @@ class ModelConfig:
     # persistent batch, model/input_batch.py); off: rebuild them from every plan (the reference).
     persistent_batch: bool = True
     # Decode-only steps as compiled code (model/compiled_decode.py). CPU: torch.compile (inductor),
-    # off by default: seconds of compilation on the first decode step. CUDA: graphs per batch and
+    # off by default: seconds of compilation at start-up. CUDA: graphs per batch and
     # context bucket, captured at start-up; cuda_graphs has no effect on CPU, compile none on CUDA.
     compile: bool = False
     cuda_graphs: bool = True

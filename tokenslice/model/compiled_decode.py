@@ -54,9 +54,11 @@ class CompiledDecode:
         if device.type == "cuda":
             self._capture_all()
         else:
-            # dynamic=False: only the dimensions marked in _compiled_logits are dynamic.
-            self._fn: Callable[..., torch.Tensor] = torch.compile(self._eager, dynamic=False)
-            self._warm_up(max_batch_size)
+            # dynamic=False: only the dimensions _warm_up marks are dynamic.
+            self._warm_up(torch.compile(self._eager, dynamic=False), max_batch_size)
+            # From here on only those graphs run: a step they do not take runs eager instead of
+            # compiling mid-stream, and no step pays for marking dimensions again.
+            self._fn: Callable[..., torch.Tensor] = torch._dynamo.run(self._eager)
 
     def _eager(self, *args: torch.Tensor) -> torch.Tensor:
         return _decode_logits(self.model, *args)
@@ -64,7 +66,7 @@ class CompiledDecode:
     def logits(self, dec: DecodeInputs) -> torch.Tensor | None:
         """[D, vocab] logits of a decode-only step, or None where no compiled shape fits it."""
         if self.device.type != "cuda":
-            return self._compiled_logits(dec)
+            return self._fn(*self._inputs(dec), self.kv)
         d, bs = len(dec.positions), self.block_size
         b = next((b for b in self.batch_buckets if b >= d), None)
         c = next((c for c in self.ctx_buckets if c > int(dec.positions.max())), None)
@@ -72,38 +74,28 @@ class CompiledDecode:
             return None
         return self.graphs[(b, c)].replay(_pad(dec, b, c // bs), bs)[:d]
 
-    def _compiled_logits(self, dec: DecodeInputs) -> torch.Tensor:
+    def _inputs(self, dec: DecodeInputs) -> tuple[torch.Tensor, ...]:
         bs, d = self.block_size, len(dec.positions)
         # Whole blocks of keys, at least 2 (a dynamic dimension of size 1 would be specialized).
         width = max(-(-(int(dec.positions.max()) + 1) // bs), -(-2 // bs))
         if dec.tables.shape[1] != width:
             dec = _pad(dec, d, width)
         meta = step_metadata(dec, [], bs, self.device, width * bs)
-        ids = torch.from_numpy(dec.token_ids)
-        rows = (ids, meta.positions, meta.slots, meta.dec_slots, meta.dec_mask) if d > 1 else ()
-        for t in rows:
-            torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_dynamic(meta.dec_slots, 0)
-        torch._dynamo.mark_dynamic(meta.dec_mask, 3)
-        return self._fn(ids, meta.positions, meta.slots, meta.dec_slots, meta.dec_mask, self.kv)
+        return torch.from_numpy(dec.token_ids), meta.positions, meta.slots, meta.dec_slots, meta.dec_mask
 
     @torch.inference_mode()
-    def _warm_up(self, max_batch_size: int) -> None:
+    def _warm_up(self, compiled: Callable[..., torch.Tensor], max_batch_size: int) -> None:
         """Compile both graphs now, before any request: met mid-stream, a compilation (seconds)
         would stall every running request. The dummy rows write K/V into block 0, which no
         request holds yet."""
         for d in (1, 2)[:max_batch_size]:
-            self._compiled_logits(DecodeInputs(np.zeros(d, dtype=np.int64), np.ones(d, dtype=np.int64),
+            inputs = self._inputs(DecodeInputs(np.zeros(d, dtype=np.int64), np.ones(d, dtype=np.int64),
                                                np.zeros((d, 1), dtype=np.int64)))
-
-    @torch.inference_mode()
-    def _capture_all(self) -> None:
-        pool = None
-        for c in reversed(self.ctx_buckets):  # largest first: later graphs reuse its memory
-            for b in reversed(self.batch_buckets):
-                g = _Graph(self, b, c, pool)
-                pool = g.graph.pool()
-                self.graphs[(b, c)] = g
+            for t in inputs if d > 1 else ():  # the rows
+                torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(inputs[3], 0)  # the keys: dec_slots, dec_mask
+            torch._dynamo.mark_dynamic(inputs[4], 3)
+            compiled(*inputs, self.kv)
 
 
 def _pad(dec: DecodeInputs, rows: int, width: int) -> DecodeInputs:
