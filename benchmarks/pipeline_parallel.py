@@ -13,7 +13,11 @@ with `--max-batch-size` per batch. Configurations:
 Printed per configuration: engine steps, wall seconds, step throughput (steps/s) and token
 throughput, and per stage its busy seconds (swaps + compute, waits excluded), its waits for
 a neighbour, and its bubble fraction 1 - busy / wall; then the per-stage time per plan (mean
-ms) by decode batch size, the numbers a simulator's pipeline cost model needs.
+ms) by decode batch size, the numbers a simulator's pipeline cost model needs; then where
+the time went: the engine loop's own ms per plan (schedule + submit, update: serial between a
+batch's return and the next plan's submit) and the CPU seconds each process used (Linux), which
+against busy seconds shows whether a process was kept off a core (CPU < busy) or spun (CPU >
+busy + its share of the loop).
 
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_parallel.py [--requests 16] [--max-batch-size 8] [--out F]
 """
@@ -21,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import resource
 import platform
 import statistics
 import tempfile
@@ -34,6 +40,19 @@ import torch
 from engine_vs_hf import NEW, PROMPT, build_checkpoint, prompts
 from tokenslice import LLM, SamplingParams
 from tokenslice.plan import StepPlan
+
+
+def cpu_seconds() -> list[float]:
+    """CPU seconds (user + system) used so far by each worker process (by pid), then by this one."""
+    out = []
+    for p in sorted(multiprocessing.active_children(), key=lambda p: p.pid):
+        try:
+            fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        except OSError:  # no procfs: not reported
+            pass
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return [*out, own.ru_utime + own.ru_stime]
 
 
 def run(llm: LLM, requests: int, in_flight: int, new: int) -> dict:
@@ -65,10 +84,13 @@ def run(llm: LLM, requests: int, in_flight: int, new: int) -> dict:
     steps0 = eng.num_steps
     for p in prompts(requests).tolist():
         eng.add_request(p, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+    loop0, cpu0 = eng.timings.schedule_s + eng.timings.update_s, cpu_seconds()
     t = time.perf_counter()
     while eng.has_unfinished():
         eng.step()
     wall = time.perf_counter() - t
+    loop_s = eng.timings.schedule_s + eng.timings.update_s - loop0
+    cpu = [b - a for a, b in zip(cpu0, cpu_seconds())]
     if staged:
         del ex.submit, ex.poll
     steps = eng.num_steps - steps0
@@ -76,6 +98,7 @@ def run(llm: LLM, requests: int, in_flight: int, new: int) -> dict:
     wait = [a - b for a, b in zip(ex.stage_wait_s, wait0)] if staged else [0.0]
     return {"steps": steps, "wall_s": wall, "steps_per_s": steps / wall, "tok_per_s": requests * new / wall,
             "stage_busy_s": busy, "stage_wait_s": wait, "bubble": [1 - b / wall for b in busy],
+            "loop_ms_per_step": 1000 * loop_s / steps, "cpu_s": cpu,
             "decode_stage_ms": {b: [statistics.mean(col) for col in zip(*rows)]
                                 for b, rows in sorted(by_batch.items())}}
 
@@ -112,9 +135,12 @@ def main() -> None:
     for r in rows[:2]:
         cells = ", ".join(f"{b}: " + "/".join(f"{x:.1f}" for x in ms) for b, ms in r["decode_stage_ms"].items())
         print(f"  {r['config']}: {cells}")
+    print("engine loop ms per plan; CPU s per process (workers by pid, then the engine's; Linux):")
+    for r in rows:
+        print(f"  {r['config']}: loop {r['loop_ms_per_step']:.2f} ms; CPU " + " / ".join(f"{c:.2f}" for c in r["cpu_s"]))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"params": params, "rows": rows}, indent=2))
+        Path(args.out).write_text(json.dumps({"params": params, "args": vars(args), "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

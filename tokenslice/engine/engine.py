@@ -281,7 +281,7 @@ class Engine:
                      vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name,
                      max_in_flight=executor.max_in_flight if pipelined else 1)
         engine.fast_forward = not pipelined  # bulk repeats assume one batch at a time
-        if cost.has_loop_cost and not pipelined:  # the pipelined executor keeps its own clock
+        if cost.has_loop_cost:  # pipelined: the loop's time between a batch's return and the next submit
             engine.loop_cost = cost
         return engine
 
