@@ -15,9 +15,10 @@ engine's step throughput and the simulator's ratio to it (the target: within 15%
 the profile's equal stages, and with the stages and the engine loop as the real run measured
 them for that many batches in flight: each stage's busy seconds over the equal split's (its
 `stage_factors`: the LM head makes the last stage longer; stages computing at once on shared
-cores each run slower) and the loop's ms per plan (serial between a batch's return and the next
-plan). What is left between fitted and real is the pipeline's own timing: overlap, bubbles,
-the hops, and the real stages' waits on data already sent.
+cores each run slower), the spread of its per-plan times (`stage_cv`: with two batches and two
+stages a late stage 0 stalls stage 1) and the loop's ms per plan (serial between a batch's
+return and the next plan). What is left between fitted and real is the pipeline's own timing:
+overlap, bubbles, the hops, and the real stages' waits on data already sent.
 
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_bubble_sim.py [--requests 16] [--real F] [--out F]  # ~2 min
 """
@@ -118,16 +119,18 @@ def real_rows(path: str, a: argparse.Namespace) -> dict[int, dict[str, Any]]:
     if any(ran.get(k, v) != v for k, v in (("requests", a.requests), ("new", a.new), ("max_batch_size", a.max_batch_size))):
         raise SystemExit(f"{path} ran another workload ({ran}): pass the same --requests, --new, --max-batch-size")
     rows = data["rows"]
-    return {int(r["config"].split(",")[1].split()[0]): r for r in rows if r["config"].startswith("-pp 2")}
+    return {int(r["config"].split(",")[1].split()[0]): r for r in rows if r["config"].startswith("-pp 2,")}
 
 
 def fit_to_real(cost: ProfileCostModel, real: dict[str, Any], requests: int, new: int, batch: int,
                 in_flight: int) -> ProfileCostModel:
     """`cost` with each stage's time scaled to the real run's busy seconds over the equal split's
-    on the same workload, and the real engine loop's ms per plan as the loop's time."""
+    on the same workload, spread as the real decode plans' were, and the real engine loop's ms
+    per plan as the loop's time."""
     equal = simulate(cost, requests, new, batch, in_flight)
     factors = [r / s for r, s in zip(real["stage_busy_s"], equal["stage_busy_s"])]
-    return ProfileCostModel.from_dict({**cost.to_dict(), "stage_factors": factors,
+    spread = real["decode_stage_cv"][max(real["decode_stage_cv"], key=int)]  # the largest decode batch's
+    return ProfileCostModel.from_dict({**cost.to_dict(), "stage_factors": factors, "stage_cv": spread,
                                        "loop": {"base": real["loop_ms_per_step"] / 1000}})
 
 
@@ -155,6 +158,7 @@ def main() -> None:
     for m, r in real.items():
         fit = fit_to_real(cost, r, a.requests, a.new, a.max_batch_size, m)
         fitted[m] = {**simulate(fit, a.requests, a.new, a.max_batch_size, m), "stage_factors": fit.stage_factors,
+                     "stage_cv": fit.stage_cv,
                      "loop_ms": 1000 * fit.loop["base"], "real_steps_per_s": r["steps_per_s"]}
     print(f"model {params / 1e6:.1f}M params fp32; profile r2 {report.cost.r2:.3f} over {len(report.samples)} points; "
           f"send {', '.join(f'{b // (HIDDEN * 4)} tok {s * 1e6:.0f} us' for b, _, s in sends)}; "
@@ -169,10 +173,12 @@ def main() -> None:
             line += f"   {got:>12.1f}  {r['steps_per_s'] / got:.2f}"
         print(line)
     if fitted:
-        print("fitted to the real run (stage factors, loop ms per plan):")
-        print(f"{'in flight':>9} {'factors':>12} {'loop ms':>8} {'steps/s':>8}  bubble per stage   real steps/s  sim/real")
+        print("fitted to the real run (stage factors, per-plan spread, loop ms per plan):")
+        print(f"{'in flight':>9} {'factors':>12} {'spread':>12} {'loop ms':>8} {'steps/s':>8}  bubble per stage"
+              "   real steps/s  sim/real")
         for m, r in sorted(fitted.items(), reverse=True):
-            print(f"{m:>9} {'/'.join(f'{f:.2f}' for f in r['stage_factors']):>12} {r['loop_ms']:>8.2f} "
+            print(f"{m:>9} {'/'.join(f'{f:.2f}' for f in r['stage_factors']):>12} "
+                  f"{'/'.join(f'{c:.2f}' for c in r['stage_cv']):>12} {r['loop_ms']:>8.2f} "
                   f"{r['steps_per_s']:>8.1f}  " + " ".join(f"{b:.0%}" for b in r["bubble"]) +
                   f"   {r['real_steps_per_s']:>12.1f}  {r['steps_per_s'] / r['real_steps_per_s']:.2f}")
     if a.out:

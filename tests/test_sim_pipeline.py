@@ -218,6 +218,30 @@ def test_fitted_stage_factors_and_loop_time_shape_the_pipe() -> None:
     assert looped.clock.now() - plain.clock.now() == pytest.approx(looped.num_steps * 2e-3)
 
 
+def test_a_measured_spread_of_stage_times_stalls_a_full_pipe() -> None:
+    """Stage times drawn around their means (`stage_cv`, seeded): the same run twice gives the
+    same clock, and two batches over two equal stages lose throughput to the jitter."""
+    from tokenslice.predict.cost import CostModel, ProfileCostModel, TransferSpec
+
+    coef = {"base": 1e-3, "prefill_tokens": 1e-5, "decode_seqs": 2e-5, "context_tokens": 1e-7, "prefill_context": 0.0}
+
+    def cost(cv: list[float] | None) -> ProfileCostModel:
+        return ProfileCostModel(coef, TransferSpec(1e10, 1e-5), 1024, model="m", device="cpu", pipeline_parallel=2,
+                                p2p=TransferSpec(1e9, 30e-6), activation_bytes_per_token=2048, stage_cv=cv)
+
+    with pytest.raises(ValueError, match="stage_cv"):
+        cost([0.1, -0.1])
+    jittery = CostModel.from_dict(cost([0.3, 0.3]).to_dict())
+    assert jittery.stage_spread() == [0.3, 0.3] and cost(None).stage_spread() == [0.0, 0.0]
+
+    def span(model: CostModel) -> float:
+        eng = Engine.simulated(SchedulerConfig(policy="fcfs", max_batch_size=4), model, kv_cache_blocks=400)
+        eng.replay([WorkloadRequest(f"r{i}", 0.0, None, 32, 40) for i in range(8)])
+        return eng.clock.now()
+
+    assert span(jittery) == span(jittery) > span(cost(None))
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), mode=st.sampled_from(MODES), stages=st.integers(2, 4),
        in_flight=st.integers(1, 4), blocks=st.integers(30, 120))

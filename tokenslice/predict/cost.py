@@ -290,6 +290,10 @@ class CostModel(ABC):
         """Sending `num_tokens` tokens' activations from one pipeline stage to the next."""
         return 0.0
 
+    def stage_spread(self) -> list[float]:
+        """Each stage's per-batch spread around `stage_seconds` (std / mean; 0: exact)."""
+        return [0.0] * self.pipeline_parallel
+
     def first_iteration_seconds(self, prompt_len: int) -> float:
         """A lone prefill of `prompt_len` tokens: FastServe §4.1 skip-join picks the entry queue by it."""
         return self.iteration_seconds(BatchShape.from_lengths(prefill=[(max(prompt_len, 1), 0)]))
@@ -535,14 +539,17 @@ class ProfileCostModel(CostModel):
                  model: str = "unknown", device: str = "unknown", samples: int = 0,
                  r2: float | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  p2p: TransferSpec | None = None, activation_bytes_per_token: int = 0,
-                 loop: dict[str, float] | None = None, stage_factors: list[float] | None = None) -> None:
+                 loop: dict[str, float] | None = None, stage_factors: list[float] | None = None,
+                 stage_cv: list[float] | None = None) -> None:
         """`tensor_parallel`: GPUs the measured engine sharded the model over (its iteration times
         include their collectives; KV bytes per token are the whole model's).
         `pipeline_parallel`: stages the measured pass went through, one batch at a time; a stage
         takes an equal share of it less the sends between stages, each `p2p` (per send, per byte)
         for `activation_bytes_per_token` bytes a token. `stage_factors`: each stage's time as a
         multiple of that equal share (default 1 each), fitted to a real pipeline's stage timers: a
-        split even in layers but not in time (the LM head), stages slowed by sharing cores.
+        split even in layers but not in time (the LM head), stages slowed by sharing cores;
+        `stage_cv` their measured per-batch spread (std / mean, default 0): with as many batches in
+        flight as stages there is no slack, so a late stage stalls the next one.
         `loop`: coefficients over LOOP_FEATURES (missing ones are 0)."""
         if tensor_parallel < 1 or pipeline_parallel < 1:
             raise ValueError(f"tensor_parallel and pipeline_parallel must be >= 1, got {tensor_parallel}, "
@@ -570,6 +577,9 @@ class ProfileCostModel(CostModel):
         self.stage_factors = [float(f) for f in stage_factors] if stage_factors else [1.0] * pipeline_parallel
         if len(self.stage_factors) != pipeline_parallel or min(self.stage_factors) <= 0:
             raise ValueError(f"stage_factors must be {pipeline_parallel} positive numbers, got {stage_factors}")
+        self.stage_cv = [float(c) for c in stage_cv] if stage_cv else [0.0] * pipeline_parallel
+        if len(self.stage_cv) != pipeline_parallel or min(self.stage_cv) < 0:
+            raise ValueError(f"stage_cv must be {pipeline_parallel} numbers >= 0, got {stage_cv}")
 
     @property
     def name(self) -> str:
@@ -602,6 +612,9 @@ class ProfileCostModel(CostModel):
             return 0.0
         return self.p2p.seconds(num_tokens * self.activation_bytes_per_token)
 
+    def stage_spread(self) -> list[float]:
+        return list(self.stage_cv)
+
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
         return self.transfer.seconds(num_bytes, num_ops)
 
@@ -618,7 +631,7 @@ class ProfileCostModel(CostModel):
         pipeline = {} if self.pipeline_parallel == 1 else {
             "pipeline_parallel": self.pipeline_parallel, "activation_bytes_per_token": self.activation_bytes_per_token,
             "p2p": {"bytes_per_s": self.p2p.bytes_per_s, "op_overhead_s": self.p2p.op_overhead_s},
-            "stage_factors": list(self.stage_factors)}
+            "stage_factors": list(self.stage_factors), "stage_cv": list(self.stage_cv)}
         return {"kind": self.kind, "model": self.model, "device": self.device,
                 "coefficients": dict(self.coefficients), "loop": dict(self.loop),
                 "transfer": {"bytes_per_s": self.transfer.bytes_per_s, "op_overhead_s": self.transfer.op_overhead_s},
@@ -636,7 +649,7 @@ class ProfileCostModel(CostModel):
                    pipeline_parallel=int(data.get("pipeline_parallel", 1)),
                    p2p=TransferSpec(float(p2p["bytes_per_s"]), float(p2p["op_overhead_s"])) if p2p else None,
                    activation_bytes_per_token=int(data.get("activation_bytes_per_token", 0)), loop=data.get("loop"),
-                   stage_factors=data.get("stage_factors"))
+                   stage_factors=data.get("stage_factors"), stage_cv=data.get("stage_cv"))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
