@@ -116,7 +116,8 @@ def real_rows(path: str, a: argparse.Namespace) -> dict[int, dict[str, Any]]:
     """The real engine's -pp 2 rows by plans in flight, from pipeline_parallel.py --out."""
     data = json.loads(Path(path).read_text())
     ran = data.get("args", {})
-    if any(ran.get(k, v) != v for k, v in (("requests", a.requests), ("new", a.new), ("max_batch_size", a.max_batch_size))):
+    same = (("requests", a.requests), ("new", a.new), ("max_batch_size", a.max_batch_size))
+    if any(ran.get(k, v) != v for k, v in same):
         raise SystemExit(f"{path} ran another workload ({ran}): pass the same --requests, --new, --max-batch-size")
     rows = data["rows"]
     return {int(r["config"].split(",")[1].split()[0]): r for r in rows if r["config"].startswith("-pp 2,")}

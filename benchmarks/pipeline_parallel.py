@@ -30,8 +30,8 @@ import argparse
 import json
 import multiprocessing
 import os
-import resource
 import platform
+import resource
 import statistics
 import tempfile
 import time
@@ -161,7 +161,8 @@ def main() -> None:
         print(f"  {r['config']}: {cells}")
     print("engine loop ms per plan; CPU s per process (workers by pid, then the engine's; Linux):")
     for r in rows:
-        print(f"  {r['config']}: loop {r['loop_ms_per_step']:.2f} ms; CPU " + " / ".join(f"{c:.2f}" for c in r["cpu_s"]))
+        cpu = " / ".join(f"{c:.2f}" for c in r["cpu_s"])
+        print(f"  {r['config']}: loop {r['loop_ms_per_step']:.2f} ms; CPU {cpu}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"params": params, "args": vars(args), "rows": rows}, indent=2))
