@@ -9,7 +9,7 @@ with `--max-batch-size` per batch. Configurations:
 - `-pp 2, 1 in flight`: the same workers, the engine waits for each plan (Engine.max_in_flight
   = 1), so one stage always idles;
 - `-pp 2 (a+b layers), 2 in flight`: two in flight again, the layers split (`--pipeline-layers`)
-  so that the stages' decode times measured with one in flight even out (the last stage also
+  so that the stages' CPU seconds measured with one in flight even out (the last stage also
   computes the LM head); left out when that split is 4+4;
 - `-pp 1`: one process, one torch thread (reference).
 
@@ -49,9 +49,9 @@ from tokenslice.plan import StepPlan
 
 
 def cpu_seconds() -> list[float]:
-    """CPU seconds (user + system) used so far by each worker process (by pid), then by this one."""
+    """CPU seconds (user + system) used so far by each worker process (by rank), then by this one."""
     out = []
-    for p in sorted(multiprocessing.active_children(), key=lambda p: p.pid):
+    for p in sorted(multiprocessing.active_children(), key=lambda p: int(p.name.removeprefix("tokenslice-tp"))):
         try:
             fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
             out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
@@ -112,9 +112,10 @@ def run(llm: LLM, requests: int, in_flight: int, new: int) -> dict:
 
 
 def measured_split(row: dict, num_layers: int) -> tuple[int, ...]:
-    """Layers per stage that even out the two stages' measured decode times (largest batch):
-    stage 0's time per layer, and what stage 1 spends beyond its layers (the LM head)."""
-    s0, s1 = row["decode_stage_ms"][max(row["decode_stage_ms"])]
+    """Layers per stage that even out the two stages' measured CPU seconds (on a loaded box
+    busy seconds also count time off-core): stage 0's per layer, and what stage 1 spends beyond
+    its layers (the LM head)."""
+    s0, s1 = row["cpu_s"][:2]
     per_layer = s0 / (num_layers // 2)
     return balanced_counts(per_layer, max(s1 - (num_layers - num_layers // 2) * per_layer, 0.0), num_layers, 2)
 
@@ -159,7 +160,7 @@ def main() -> None:
             continue
         cells = ", ".join(f"{b}: " + "/".join(f"{x:.1f}" for x in ms) for b, ms in r["decode_stage_ms"].items())
         print(f"  {r['config']}: {cells}")
-    print("engine loop ms per plan; CPU s per process (workers by pid, then the engine's; Linux):")
+    print("engine loop ms per plan; CPU s per process (workers by rank, then the engine's; Linux):")
     for r in rows:
         cpu = " / ".join(f"{c:.2f}" for c in r["cpu_s"])
         print(f"  {r['config']}: loop {r['loop_ms_per_step']:.2f} ms; CPU {cpu}")
