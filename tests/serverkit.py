@@ -89,7 +89,7 @@ def start_server(*flags: str) -> RunningServer:
     return serve_app(serve_app_from_args(args))
 
 
-def serve_app(app: Any) -> RunningServer:
+def serve_app(app: Any, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> RunningServer:
     """Serve an ASGI app (the API server, `tokenslice view`'s) with uvicorn in a thread, on a free port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -100,7 +100,7 @@ def serve_app(app: Any) -> RunningServer:
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
     thread.start()
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + startup_timeout_s
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             server.should_exit = True

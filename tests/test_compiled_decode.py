@@ -1,14 +1,20 @@
 """Compiled decode (model/compiled_decode.py): greedy tokens equal eager ones, with preemption
 (recompute on a 3-block pool), and logprobs agree to float32 rounding; CUDA graphs likewise
-where a GPU is present."""
+where a GPU is present. On CPU everything compiles at start-up: a request whose context and batch
+grow later compiles nothing more; behind `tokenslice serve` (engine core in its own process) the
+compiled server streams the eager server's greedy tokens."""
 from __future__ import annotations
 
 import numpy as np
+import openai
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from conftest import STORIES
+from serverkit import serve_app
 from tokenslice import LLM, SamplingParams
+from tokenslice.cli import build_parser, serve_app_from_args
 from tokenslice.model.compiled_decode import _pad, buckets
 from tokenslice.model.input_batch import DecodeInputs
 
@@ -44,6 +50,30 @@ def _check_equal_to_eager(**options) -> None:
 
 def test_compiled_decode_on_cpu_gives_the_eager_tokens():
     _check_equal_to_eager(compile=True, device="cpu")
+
+
+def test_cpu_compiles_at_start_up_only():
+    with LLM(str(STORIES), max_batch_size=4, kv_cache_blocks=64, compile=True, device="cpu") as llm:
+        frames = counters["frames"]["ok"]
+        # Contexts from 4 to 200 keys (13 blocks), batches of 1 to 4 rows.
+        llm.generate([[1, 45, 300, 17]], SamplingParams(max_tokens=196, temperature=0, ignore_eos=True))
+        llm.generate(PROMPTS + [[1, 2, 3]], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        assert counters["frames"]["ok"] == frames
+
+
+def _served_texts(*flags: str) -> list[str]:
+    args = build_parser().parse_args(["serve", "--model", str(STORIES), "--dtype", "float32",
+                                      "--max-batch-size", "4", "--kv-cache-blocks", "64", *flags])
+    # Compiling at start-up takes seconds (minutes on a loaded machine): a failure deadline.
+    with serve_app(serve_app_from_args(args), startup_timeout_s=600.0) as srv:
+        client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=120.0)
+        out = client.completions.create(model=srv.info.model_name, prompt=["Once upon a time", "The dog", "Lily"],
+                                        max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+        return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+
+
+def test_served_compiled_decode_gives_the_eager_tokens():
+    assert _served_texts("--compile") == _served_texts("--no-compile")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

@@ -90,8 +90,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(ModelConfig, "persistent_batch", action=argparse.BooleanOptionalAction,
          help="keep decode block tables between steps, updating what changed (on by default); "
               "off: rebuild them every step")
-    flag(ModelConfig, "compile", help="CPU: run decode steps compiled by torch.compile (inductor; "
-                                      "compiles on the first decode step)")
+    flag(ModelConfig, "compile", action=argparse.BooleanOptionalAction,
+         help="CPU: run decode steps compiled by torch.compile (inductor; compiles at start-up)")
     flag(ModelConfig, "cuda_graphs", action=argparse.BooleanOptionalAction,
          help="CUDA: replay decode steps from CUDA graphs captured at start-up (on by default)")
     flag(CacheConfig, "block_size")
@@ -110,6 +110,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_field_flag(p, ParallelConfig, "pipeline_parallel_size", "-pp",
                    help="split the layers into this many stages, each of tensor-parallel-size ranks, with as "
                         "many batches in flight (FastServe pipeline parallelism)")
+    add_field_flag(p, ParallelConfig, "pipeline_layers", metavar="N,N,...",
+                   help="layers per pipeline stage, first stage first (default: equal counts); the last stage "
+                        "also computes the LM head")
     flag(ParallelConfig, "executor", help="where the model runs: mp = one worker process per rank, "
                                           "ray = one Ray actor per rank, on one node or several "
                                           "(auto: mp with several ranks, else in this process)")

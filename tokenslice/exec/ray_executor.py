@@ -94,9 +94,9 @@ class RayExecutor:
     `stage_busy_s` / `stage_wait_s` as in exec/merge.py."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, tp_size: int, *, max_model_len: int,
-                 max_batch_size: int, host_tier: bool, pp_size: int = 1, address: str | None = None,
-                 poll_interval_s: float = 0.2, death_wait_s: float = 5.0, placement_timeout_s: float = 120.0,
-                 stop_timeout_s: float = 10.0) -> None:
+                 max_batch_size: int, host_tier: bool, pp_size: int = 1, pp_layers: tuple[int, ...] | None = None,
+                 address: str | None = None, poll_interval_s: float = 0.2, death_wait_s: float = 5.0,
+                 placement_timeout_s: float = 120.0, stop_timeout_s: float = 10.0) -> None:
         self.size = tp_size * pp_size
         self.tp_size, self.pp_size = tp_size, pp_size
         self.poll_interval_s = poll_interval_s
@@ -122,7 +122,8 @@ class RayExecutor:
             init_method = self._gather([self.actors[0].rendezvous_address.remote()])[0]
             threads = max(1, torch.get_num_threads() // self.size)  # one node's cores shared by its ranks
             specs = [RankSpec(model, cache, rank, self.size, max_model_len, max_batch_size, host_tier,
-                              init_method, threads, gpu=0, pp_size=pp_size)  # Ray shows an actor its own GPU only
+                              init_method, threads, gpu=0, pp_size=pp_size,
+                              pp_layers=pp_layers)  # Ray shows an actor its own GPU only
                      for rank in range(self.size)]
             caps = [msgspec.msgpack.decode(b, type=Capacity)
                     for b in self._gather([a.start.remote(s) for a, s in zip(self.actors, specs)])]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -56,13 +57,14 @@ def step_metadata(dec: DecodeInputs, prefill: list[SeqSlice], block_size: int,
     positions, slots = dec_pos, dec_pos  # replaced below; the decode part always comes first
     meta = AttentionMetadata(positions=positions, slots=slots, num_decode=num_decode)
     if num_decode:
-        tables = torch.from_numpy(dec.tables)
-        slots = tables[torch.arange(num_decode), dec_pos // block_size] * block_size + dec_pos % block_size
-        lmax = max(int(dec.positions.max()) + 1, ctx_len)
-        kpos = torch.arange(lmax)
-        meta.dec_slots = (tables[:, kpos // block_size] * block_size + kpos % block_size).flatten()
+        # In numpy: on these few-element arrays each torch op costs several times more (dispatch).
+        pos, tables = dec.positions, dec.tables
+        slots = torch.from_numpy(tables[np.arange(num_decode), pos // block_size] * block_size + pos % block_size)
+        lmax = max(int(pos.max()) + 1, ctx_len)
+        kpos = np.arange(lmax)
+        meta.dec_slots = torch.from_numpy((tables[:, kpos // block_size] * block_size + kpos % block_size).reshape(-1))
         meta.dec_len = lmax
-        meta.dec_mask = (kpos[None, :] < dec_pos[:, None] + 1).view(num_decode, 1, 1, lmax)
+        meta.dec_mask = torch.from_numpy((kpos[None, :] < pos[:, None] + 1).reshape(num_decode, 1, 1, lmax))
     if prefill:
         pos_list: list[int] = []
         for s in prefill:

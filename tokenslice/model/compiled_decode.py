@@ -1,15 +1,17 @@
 """Compiled decode: a decode-only step (forward + LM head) run as compiled code instead of
 op-by-op eager PyTorch, whose per-operator dispatch dominates small models' steps.
 
-Both pad a step to a shape bucket: the batch to a power of two by repeating row 0 (whose K/V
-write then lands twice in the same slot with the same value), the context to a power of two
-blocks (the mask hides the padding). A step larger than every bucket runs eager.
-
-- CPU: torch.compile (inductor's C++/OpenMP kernels) with static shapes, one compilation per
-  bucket met, on its first step (seconds each). Dynamic shapes compiled for minutes here and
-  gave wrong logits beyond batch 1 (torch 2.13, the opaque KV operator), so they are not used.
+- CPU: torch.compile (inductor's C++/OpenMP kernels), two graphs compiled at start-up: one for
+  a batch of 1, one for any larger batch (the row count a dynamic dimension). The context length
+  reaches only the opaque attention operator, so it is dynamic in both: no shape met later
+  compiles again, and no row or key is padded beyond whole blocks. (Static shapes per bucket
+  compiled again at every new context bucket: seconds mid-stream, and 4x slower steps behind
+  serve on average. A batch dimension of size 1 would be specialized, hence its own graph.)
 - CUDA: one CUDA graph per bucket, captured at start-up and replayed with the step's inputs
-  copied into static buffers (vLLM's decode graphs).
+  copied into static buffers (vLLM's decode graphs): the batch padded to a power of two by
+  repeating row 0 (whose K/V write then lands twice in the same slot with the same value), the
+  context to a power of two blocks (the mask hides the padding). A step larger than every
+  bucket runs eager.
 
 The KV write and attention stay one opaque operator (attention.decode_attention), so neither
 the compiler nor a graph copies the KV pool. Mixed steps (prefill rows) always run eager.
@@ -52,40 +54,53 @@ class CompiledDecode:
         if device.type == "cuda":
             self._capture_all()
         else:
-            # One compiled shape per bucket: allow them all before torch falls back to eager.
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                        len(self.batch_buckets) * len(self.ctx_buckets))
-            self._fn: Callable[..., torch.Tensor] = torch.compile(self._eager, dynamic=False)
+            # dynamic=False: only the dimensions _warm_up marks are dynamic.
+            self._warm_up(torch.compile(self._eager, dynamic=False), max_batch_size)
+            # From here on only those graphs run: a step they do not take runs eager instead of
+            # compiling mid-stream, and no step pays for marking dimensions again.
+            self._fn: Callable[..., torch.Tensor] = torch._dynamo.run(self._eager)
 
     def _eager(self, *args: torch.Tensor) -> torch.Tensor:
         return _decode_logits(self.model, *args)
 
     def logits(self, dec: DecodeInputs) -> torch.Tensor | None:
         """[D, vocab] logits of a decode-only step, or None where no compiled shape fits it."""
+        if self.device.type != "cuda":
+            return self._fn(*self._inputs(dec), self.kv)
         d, bs = len(dec.positions), self.block_size
         b = next((b for b in self.batch_buckets if b >= d), None)
         c = next((c for c in self.ctx_buckets if c > int(dec.positions.max())), None)
         if b is None or c is None:
             return None
-        padded = _pad(dec, b, c // bs)
-        if self.device.type == "cuda":
-            return self.graphs[(b, c)].replay(padded, bs)[:d]
-        meta = step_metadata(padded, [], bs, self.device, c)
-        return self._fn(torch.from_numpy(padded.token_ids), meta.positions, meta.slots, meta.dec_slots,
-                        meta.dec_mask, self.kv)[:d]
+        return self.graphs[(b, c)].replay(_pad(dec, b, c // bs), bs)[:d]
+
+    def _inputs(self, dec: DecodeInputs) -> tuple[torch.Tensor, ...]:
+        bs, d = self.block_size, len(dec.positions)
+        # Whole blocks of keys, at least 2 (a dynamic dimension of size 1 would be specialized).
+        width = max(-(-(int(dec.positions.max()) + 1) // bs), -(-2 // bs))
+        if dec.tables.shape[1] != width:
+            dec = _pad(dec, d, width)
+        meta = step_metadata(dec, [], bs, self.device, width * bs)
+        return torch.from_numpy(dec.token_ids), meta.positions, meta.slots, meta.dec_slots, meta.dec_mask
 
     @torch.inference_mode()
-    def _capture_all(self) -> None:
-        pool = None
-        for c in reversed(self.ctx_buckets):  # largest first: later graphs reuse its memory
-            for b in reversed(self.batch_buckets):
-                g = _Graph(self, b, c, pool)
-                pool = g.graph.pool()
-                self.graphs[(b, c)] = g
+    def _warm_up(self, compiled: Callable[..., torch.Tensor], max_batch_size: int) -> None:
+        """Compile both graphs now, before any request: met mid-stream, a compilation (seconds)
+        would stall every running request. The dummy rows write K/V into block 0, which no
+        request holds yet."""
+        for d in (1, 2)[:max_batch_size]:
+            inputs = self._inputs(DecodeInputs(np.zeros(d, dtype=np.int64), np.ones(d, dtype=np.int64),
+                                               np.zeros((d, 1), dtype=np.int64)))
+            for t in inputs if d > 1 else ():  # the rows
+                torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(inputs[3], 0)  # the keys: dec_slots, dec_mask
+            torch._dynamo.mark_dynamic(inputs[4], 3)
+            compiled(*inputs, self.kv)
 
 
 def _pad(dec: DecodeInputs, rows: int, width: int) -> DecodeInputs:
-    """`rows` rows (row 0 repeated) and `width` table columns (block 0 appended)."""
+    """`rows` rows (row 0 repeated) and `width` table columns (block 0 appended, or the columns
+    past `width` dropped)."""
     idx = np.concatenate([np.arange(len(dec.positions)), np.zeros(rows - len(dec.positions), dtype=np.int64)])
     tables = np.zeros((rows, width), dtype=np.int64)
     w = min(width, dec.tables.shape[1])  # blocks past the context bucket are never read

@@ -47,18 +47,24 @@ class DecodeBatch:
         ids = [s.request_id for s in decode]
         if len(set(ids)) != len(ids):
             raise ValueError("a request appears twice among the decode slices")
-        gone = self._row.keys() if kv_moved else self._row.keys() - set(ids)
-        for rid in list(gone):  # left the batch (or KV moved): its blocks may have changed
-            self._free.append(self._row.pop(rid))
-        for s in decode:
-            if s.request_id not in self._row:
-                self._write(s)
-        rows = np.fromiter((self._row[r] for r in ids), dtype=np.int64, count=len(ids))
-        lens = np.fromiter((len(s.block_table) for s in decode), dtype=np.int64, count=len(ids))
-        for i in np.flatnonzero(lens > self._lens[rows]).tolist():  # a new block, every block_size steps
-            self._extend(int(rows[i]), decode[i].block_table)
-            self.rows_grown += 1
-        width = int(lens.max()) if len(ids) else 0
+        row_of = self._row
+        # The usual step: the same requests as the last one (plain Python: numpy's per-call cost
+        # exceeds the work at these sizes).
+        if kv_moved or len(row_of) != len(ids) or not all(r in row_of for r in ids):
+            gone = row_of.keys() if kv_moved else row_of.keys() - set(ids)
+            for rid in list(gone):  # left the batch (or KV moved): its blocks may have changed
+                self._free.append(row_of.pop(rid))
+            for s in decode:
+                if s.request_id not in row_of:
+                    self._write(s)
+        rows = [row_of[r] for r in ids]
+        width = 0
+        for row, s in zip(rows, decode):
+            n = len(s.block_table)
+            width = max(width, n)
+            if n > self._lens[row]:  # a new block, every block_size steps
+                self._extend(row, s.block_table)
+                self.rows_grown += 1
         return DecodeInputs(
             token_ids=np.fromiter((s.token_ids[0] for s in decode), dtype=np.int64, count=len(ids)),
             positions=np.fromiter((s.start_pos for s in decode), dtype=np.int64, count=len(ids)),
