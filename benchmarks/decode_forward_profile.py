@@ -84,7 +84,7 @@ def main() -> None:
     model, arch = loaded.model, loaded.arch
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     linears = [m for m in model.modules() if isinstance(m, InputMajorLinear)]
-    packed = [m.packed for m in linears]
+    packed = [getattr(m, "packed", None) for m in linears]  # absent before oneDNN packing
 
     def use_packed(on: bool) -> None:
         for m, p in zip(linears, packed, strict=True):
