@@ -11,7 +11,14 @@ two processes on this machine (timed here, fitted as latency + bytes / bandwidth
 Printed per setting: simulated steps, virtual seconds, step and token throughput, and each
 stage's bubble fraction (1 - busy / elapsed), for the full workload and for one too small to fill
 two batches. `--real FILE` (the JSON of `pipeline_parallel.py --out FILE`) adds the real
-engine's step throughput and the simulator's ratio to it (the target: within 15%).
+engine's step throughput and the simulator's ratio to it (the target: within 15%), twice: with
+the profile's equal stages, and with the stages and the engine loop as the real run measured
+them for that many batches in flight: each stage's busy seconds over the equal split's (its
+`stage_factors`: the LM head makes the last stage longer; stages computing at once on shared
+cores each run slower), the spread of its per-plan times (`stage_cv`: with two batches and two
+stages a late stage 0 stalls stage 1) and the loop's ms per plan (serial between a batch's
+return and the next plan). What is left between fitted and real is the pipeline's own timing:
+overlap, bubbles, the hops, and the real stages' waits on data already sent.
 
     PYTHONPATH=. .venv/bin/python benchmarks/pipeline_bubble_sim.py [--requests 16] [--real F] [--out F]  # ~2 min
 """
@@ -105,10 +112,27 @@ def simulate(cost: CostModel, requests: int, new: int, batch: int, in_flight: in
             "stage_busy_s": list(ex.stage_busy_s), "bubble": [1 - b / span for b in ex.stage_busy_s]}
 
 
-def real_steps_per_s(path: str) -> dict[int, float]:
-    """The real engine's step throughput by plans in flight, from pipeline_parallel.py --out."""
-    rows = json.loads(Path(path).read_text())["rows"]
-    return {int(r["config"].split(",")[1].split()[0]): r["steps_per_s"] for r in rows if r["config"].startswith("-pp 2")}
+def real_rows(path: str, a: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """The real engine's -pp 2 rows by plans in flight, from pipeline_parallel.py --out."""
+    data = json.loads(Path(path).read_text())
+    ran = data.get("args", {})
+    same = (("requests", a.requests), ("new", a.new), ("max_batch_size", a.max_batch_size))
+    if any(ran.get(k, v) != v for k, v in same):
+        raise SystemExit(f"{path} ran another workload ({ran}): pass the same --requests, --new, --max-batch-size")
+    rows = data["rows"]
+    return {int(r["config"].split(",")[1].split()[0]): r for r in rows if r["config"].startswith("-pp 2,")}
+
+
+def fit_to_real(cost: ProfileCostModel, real: dict[str, Any], requests: int, new: int, batch: int,
+                in_flight: int) -> ProfileCostModel:
+    """`cost` with each stage's time scaled to the real run's busy seconds over the equal split's
+    on the same workload, spread as the real decode plans' were, and the real engine loop's ms
+    per plan as the loop's time."""
+    equal = simulate(cost, requests, new, batch, in_flight)
+    factors = [r / s for r, s in zip(real["stage_busy_s"], equal["stage_busy_s"])]
+    spread = real["decode_stage_cv"][max(real["decode_stage_cv"], key=int)]  # the largest decode batch's
+    return ProfileCostModel.from_dict({**cost.to_dict(), "stage_factors": factors, "stage_cv": spread,
+                                       "loop": {"base": real["loop_ms_per_step"] / 1000}})
 
 
 def main() -> None:
@@ -127,11 +151,16 @@ def main() -> None:
         report = run_profile(ProfileOptions(model=d, dtype="float32", samples=a.samples, repeats=3, max_context=256))
     sends = measure_send()
     cost = stage_cost(report.cost, sends)
-    real = real_steps_per_s(a.real) if a.real else {}
-    rows = []
+    real = real_rows(a.real, a) if a.real else {}
+    rows, fitted = [], {}
     for requests in (a.requests, max(1, a.max_batch_size // 2)):
         for m in (2, 1):
             rows.append(simulate(cost, requests, a.new, a.max_batch_size, m))
+    for m, r in real.items():
+        fit = fit_to_real(cost, r, a.requests, a.new, a.max_batch_size, m)
+        fitted[m] = {**simulate(fit, a.requests, a.new, a.max_batch_size, m), "stage_factors": fit.stage_factors,
+                     "stage_cv": fit.stage_cv,
+                     "loop_ms": 1000 * fit.loop["base"], "real_steps_per_s": r["steps_per_s"]}
     print(f"model {params / 1e6:.1f}M params fp32; profile r2 {report.cost.r2:.3f} over {len(report.samples)} points; "
           f"send {', '.join(f'{b // (HIDDEN * 4)} tok {s * 1e6:.0f} us' for b, _, s in sends)}; "
           f"{time.perf_counter() - t0:.0f} s wall")
@@ -140,13 +169,23 @@ def main() -> None:
     for r in rows:
         line = (f"{r['requests']:>8} {r['in_flight']:>9} {r['steps']:>6} {r['virtual_s']:>10.3f} {r['steps_per_s']:>8.1f} "
                 f"{r['tok_per_s']:>7.1f}  " + " ".join(f"{b:.0%}" for b in r["bubble"]))
-        if real and r["requests"] == a.requests and r["in_flight"] in real:
-            got = real[r["in_flight"]]
+        if r["requests"] == a.requests and r["in_flight"] in real:
+            got = real[r["in_flight"]]["steps_per_s"]
             line += f"   {got:>12.1f}  {r['steps_per_s'] / got:.2f}"
         print(line)
+    if fitted:
+        print("fitted to the real run (stage factors, per-plan spread, loop ms per plan):")
+        print(f"{'in flight':>9} {'factors':>12} {'spread':>12} {'loop ms':>8} {'steps/s':>8}  bubble per stage"
+              "   real steps/s  sim/real")
+        for m, r in sorted(fitted.items(), reverse=True):
+            print(f"{m:>9} {'/'.join(f'{f:.2f}' for f in r['stage_factors']):>12} "
+                  f"{'/'.join(f'{c:.2f}' for c in r['stage_cv']):>12} {r['loop_ms']:>8.2f} "
+                  f"{r['steps_per_s']:>8.1f}  " + " ".join(f"{b:.0%}" for b in r["bubble"]) +
+                  f"   {r['real_steps_per_s']:>12.1f}  {r['steps_per_s'] / r['real_steps_per_s']:.2f}")
     if a.out:
         Path(a.out).write_text(json.dumps({"params": params, "profile": report.to_json(), "sends": sends,
-                                           "cost": cost.to_dict(), "rows": rows, "real": real,
+                                           "cost": cost.to_dict(), "rows": rows, "fitted": fitted,
+                                           "real": {m: r["steps_per_s"] for m, r in real.items()},
                                            "cpu_count": os.cpu_count()}, indent=2) + "\n")
 
 

@@ -15,7 +15,7 @@ from tokenslice.config import PREEMPTION_MODES, EngineConfig, ModelConfig
 from tokenslice.exec.multiproc import MultiprocExecutor
 from tokenslice.model.arch import ModelLoadError
 from tokenslice.model.loader import load_arch, load_model
-from tokenslice.model.pp import PPStage
+from tokenslice.model.pp import PPStage, balanced_counts
 from waves import count_in_flight
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,6 +59,33 @@ def test_stage_arithmetic_and_a_stage_holds_only_its_layers():
     assert m0.lm_head is None and m0.model.norm is None and m1.model.embed_tokens is None
     assert (m1.model.layers[0].mlp.down_proj.weight_t == whole.model.layers[2].mlp.down_proj.weight_t).all()
     assert (m1.lm_head.weight == whole.model.embed_tokens.weight).all()
+
+
+def test_layer_counts_set_the_split():
+    arch = load_arch(ModelConfig(str(STORIES)))  # 5 layers
+    assert [PPStage.of(arch, i, 2, (4, 1)).layers for i in range(2)] == [(0, 4), (4, 5)]
+    assert [PPStage.of(arch, i, 3, (1, 3, 1)).layers for i in range(3)] == [(0, 1), (1, 4), (4, 5)]
+    for bad in ((5, 0), (2, 2), (1, 1, 3)):
+        with pytest.raises(ModelLoadError, match="pipeline layers"):
+            PPStage.of(arch, 0, 2, bad)
+    assert EngineConfig.from_options(pipeline_parallel_size=2, pipeline_layers="4,1").parallel.stage_layers == (4, 1)
+    for text in ("4", "4,x"):
+        with pytest.raises(ValueError, match="pipeline_layers"):
+            EngineConfig.from_options(pipeline_parallel_size=2, pipeline_layers=text).validate()
+    # Measured times: a layer 6 ms, the LM head 11 ms; 8 layers over 2 stages.
+    assert balanced_counts(6.0, 11.0, 8, 2) == (5, 3)  # 30 / 29 ms, against 24 / 35 for 4 + 4
+    assert balanced_counts(1.0, 0.0, 8, 2) == (4, 4) and balanced_counts(1.0, 0.0, 5, 2) == (2, 3)
+    assert balanced_counts(1.0, 100.0, 5, 3) == (2, 2, 1)  # the head alone outweighs the rest
+
+
+def test_an_uneven_split_matches_one_process_with_swaps():
+    want, one = _one_rank(str(STORIES), preemption="reactive-swap")
+    with LLM(str(STORIES), pipeline_parallel_size=2, pipeline_layers="4,1", preemption="reactive-swap",
+             **PRESSURE) as llm:
+        assert _run_waves(llm.engine) == want
+        assert llm.engine.scheduler.stats.swap_out_bytes > 0
+        assert llm.engine.scheduler.preemption.swap_block_bytes == one.preemption.swap_block_bytes
+        _assert_all_free(llm.engine.scheduler)
 
 
 @pytest.mark.parametrize("preemption", PREEMPTION_MODES)

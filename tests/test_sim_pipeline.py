@@ -180,6 +180,68 @@ def test_measured_profile_splits_into_stages() -> None:
     assert all(r.is_finished for r in reqs)
 
 
+def test_fitted_stage_factors_and_loop_time_shape_the_pipe() -> None:
+    """Stages fitted to a real pipeline (`stage_factors`: one stage slower than an equal share)
+    round-trip through JSON and bound two-in-flight throughput by the slow stage; the engine
+    loop's time is serial between a batch's return and the next submit."""
+    from tokenslice.predict.cost import CostModel, ProfileCostModel, TransferSpec
+
+    coef = {"base": 1e-3, "prefill_tokens": 1e-5, "decode_seqs": 2e-5, "context_tokens": 1e-7, "prefill_context": 0.0}
+
+    def cost(factors: list[float] | None, loop: float = 0.0) -> ProfileCostModel:
+        return ProfileCostModel(coef, TransferSpec(1e10, 1e-5), 1024, model="m", device="cpu", pipeline_parallel=2,
+                                p2p=TransferSpec(1e9, 30e-6), activation_bytes_per_token=2048,
+                                stage_factors=factors, loop={"base": loop})
+
+    with pytest.raises(ValueError, match="stage_factors"):
+        cost([1.0])
+    shape = BatchShape.from_lengths(decode=[64] * 8)
+    equal, skewed = cost(None), cost([0.4, 1.6])
+    e0, e1 = equal.stage_seconds(shape)
+    assert skewed.stage_seconds(shape) == pytest.approx([0.4 * e0, 1.6 * e1])
+    assert skewed.iteration_seconds(shape) == pytest.approx(sum(skewed.stage_seconds(shape)) + skewed.p2p_seconds(8))
+    again = CostModel.from_dict(skewed.to_dict())
+    assert isinstance(again, ProfileCostModel) and again.stage_factors == [0.4, 1.6]
+
+    def run(model: ProfileCostModel, requests: int, in_flight: int) -> Engine:
+        eng = Engine.simulated(SchedulerConfig(policy="fcfs", max_batch_size=4), model, kv_cache_blocks=400,
+                               max_in_flight=in_flight)
+        eng.replay([WorkloadRequest(f"r{i}", 0.0, None, 32, 40) for i in range(requests)])
+        return eng
+
+    fast, slow = run(equal, 8, 2), run(skewed, 8, 2)
+    assert slow.num_steps == fast.num_steps and slow.clock.now() > fast.clock.now()
+    ex = slow.executor
+    assert isinstance(ex, PipelinedSimulatedExecutor)
+    assert ex.stage_busy_s[1] == pytest.approx(4 * ex.stage_busy_s[0])  # the slow stage is the bubble-free one
+    plain, looped = run(equal, 1, 1), run(cost(None, 2e-3), 1, 1)
+    assert looped.clock.now() - plain.clock.now() == pytest.approx(looped.num_steps * 2e-3)
+
+
+def test_a_measured_spread_of_stage_times_stalls_a_full_pipe() -> None:
+    """Stage times drawn around their means (`stage_cv`, seeded): the same run twice gives the
+    same clock, and two batches over two equal stages lose throughput to the jitter."""
+    from tokenslice.predict.cost import CostModel, ProfileCostModel, TransferSpec
+
+    coef = {"base": 1e-3, "prefill_tokens": 1e-5, "decode_seqs": 2e-5, "context_tokens": 1e-7, "prefill_context": 0.0}
+
+    def cost(cv: list[float] | None) -> ProfileCostModel:
+        return ProfileCostModel(coef, TransferSpec(1e10, 1e-5), 1024, model="m", device="cpu", pipeline_parallel=2,
+                                p2p=TransferSpec(1e9, 30e-6), activation_bytes_per_token=2048, stage_cv=cv)
+
+    with pytest.raises(ValueError, match="stage_cv"):
+        cost([0.1, -0.1])
+    jittery = CostModel.from_dict(cost([0.3, 0.3]).to_dict())
+    assert jittery.stage_spread() == [0.3, 0.3] and cost(None).stage_spread() == [0.0, 0.0]
+
+    def span(model: CostModel) -> float:
+        eng = Engine.simulated(SchedulerConfig(policy="fcfs", max_batch_size=4), model, kv_cache_blocks=400)
+        eng.replay([WorkloadRequest(f"r{i}", 0.0, None, 32, 40) for i in range(8)])
+        return eng.clock.now()
+
+    assert span(jittery) == span(jittery) > span(cost(None))
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), mode=st.sampled_from(MODES), stages=st.integers(2, 4),
        in_flight=st.integers(1, 4), blocks=st.integers(30, 120))

@@ -110,6 +110,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_field_flag(p, ParallelConfig, "pipeline_parallel_size", "-pp",
                    help="split the layers into this many stages, each of tensor-parallel-size ranks, with as "
                         "many batches in flight (FastServe pipeline parallelism)")
+    add_field_flag(p, ParallelConfig, "pipeline_layers", metavar="N,N,...",
+                   help="layers per pipeline stage, first stage first (default: equal counts); the last stage "
+                        "also computes the LM head")
     flag(ParallelConfig, "executor", help="where the model runs: mp = one worker process per rank, "
                                           "ray = one Ray actor per rank, on one node or several "
                                           "(auto: mp with several ranks, else in this process)")

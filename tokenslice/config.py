@@ -201,6 +201,8 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Layers per pipeline stage, comma-separated, first stage first ("5,3"); None: equal counts.
+    pipeline_layers: str | None = None
     executor: str = field(default="auto", metadata={"choices": EXECUTORS})
     # executor ray: the cluster to join, "auto" (the one `ray start` runs on this node) or
     # HOST:PORT of its head; None: $RAY_ADDRESS if set, else a private one-node cluster that the
@@ -216,8 +218,21 @@ class ParallelConfig:
             raise ValueError(f"executor uni runs one rank; tensor_parallel_size {self.tensor_parallel_size} x "
                              f"pipeline_parallel_size {self.pipeline_parallel_size} needs executor mp, ray "
                              "(or auto)")
+        if self.pipeline_layers is not None and len(self.stage_layers or ()) != self.pipeline_parallel_size:
+            raise ValueError(f"pipeline_layers {self.pipeline_layers!r}: need {self.pipeline_parallel_size} "
+                             "comma-separated counts")
         if self.ray_address is not None and self.executor != "ray":
             raise ValueError(f"ray_address {self.ray_address!r} needs executor ray, got {self.executor}")
+
+    @property
+    def stage_layers(self) -> tuple[int, ...] | None:
+        """`pipeline_layers` as counts; None for equal counts."""
+        if self.pipeline_layers is None:
+            return None
+        try:
+            return tuple(int(n) for n in self.pipeline_layers.split(","))
+        except ValueError:
+            raise ValueError(f"pipeline_layers {self.pipeline_layers!r}: expected comma-separated integers") from None
 
     @property
     def world_size(self) -> int:

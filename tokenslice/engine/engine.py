@@ -84,12 +84,12 @@ class _ModelSide:
             par = config.parallel
             arch = load_arch(config.model)
             TPShard(arch, 0, par.tensor_parallel_size)  # refuses a size the heads do not fit
-            PPStage.of(arch, 0, par.pipeline_parallel_size)  # ... or more stages than layers
+            PPStage.of(arch, 0, par.pipeline_parallel_size, par.stage_layers)  # ... or more stages than layers
             limit = arch.max_position_embeddings
             max_len = min(config.model.max_model_len or limit, limit)
             tokenizer = model_tokenizer(config.model, arch)
             sizes = dict(max_model_len=max_len, max_batch_size=config.scheduler.max_batch_size, host_tier=swapping,
-                         pp_size=par.pipeline_parallel_size)
+                         pp_size=par.pipeline_parallel_size, pp_layers=par.stage_layers)
             if par.executor == "ray":
                 from tokenslice.exec.ray_executor import RayExecutor
 
@@ -281,7 +281,7 @@ class Engine:
                      vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name,
                      max_in_flight=executor.max_in_flight if pipelined else 1)
         engine.fast_forward = not pipelined  # bulk repeats assume one batch at a time
-        if cost.has_loop_cost and not pipelined:  # the pipelined executor keeps its own clock
+        if cost.has_loop_cost:  # pipelined: the loop's time between a batch's return and the next submit
             engine.loop_cost = cost
         return engine
 

@@ -82,7 +82,8 @@ class MultiprocExecutor:
     pipeline's bubbles, for benchmarks and the simulator's cost model)."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, tp_size: int, *, max_model_len: int,
-                 max_batch_size: int, host_tier: bool, poll_interval_s: float = 0.2, pp_size: int = 1) -> None:
+                 max_batch_size: int, host_tier: bool, poll_interval_s: float = 0.2, pp_size: int = 1,
+                 pp_layers: tuple[int, ...] | None = None) -> None:
         self.size = tp_size * pp_size
         self.tp_size, self.pp_size = tp_size, pp_size
         self.poll_interval_s = poll_interval_s
@@ -107,7 +108,8 @@ class MultiprocExecutor:
                 sock.bind(f"ipc://{w.tmpdir}/plans-{rank}")
                 w.plans.append(sock)
                 spec = WorkerSpec(RankSpec(model, cache, rank, self.size, max_model_len, max_batch_size, host_tier,
-                                           f"file://{w.tmpdir}/rendezvous", threads, gpu=rank, pp_size=pp_size),
+                                           f"file://{w.tmpdir}/rendezvous", threads, gpu=rank, pp_size=pp_size,
+                                           pp_layers=pp_layers),
                                   f"ipc://{w.tmpdir}/plans-{rank}", f"ipc://{w.tmpdir}/results", os.getpid())
                 proc = mp.Process(target=worker_main, args=(spec,), name=f"tokenslice-tp{rank}", daemon=False)
                 proc.start()

@@ -16,8 +16,10 @@ and stages go wherever the cluster has room; activations cross between stages th
 torch.distributed point-to-point (model/pp.py).
 
 Failure: every wait polls with a timeout; a dead actor or node (RayActorError, NodeDiedError)
-or a rank's exception raises WorkerError naming the rank, the surviving actors are killed (they
-may be stuck in a collective) and later calls raise it again.
+or a rank's exception raises WorkerError naming the rank, its stage and its node, the surviving
+actors are killed (they may be stuck in a collective) and later calls raise it again. A lost
+node's actors fail their calls once their processes are gone, or at the latest once Ray's health
+checks declare the node dead.
 """
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ class RankActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def rendezvous_address(self) -> str:
         """torch.distributed's meeting point: this node's address and a port free on it."""
         with socket.socket() as sock:
@@ -89,12 +94,13 @@ class RayExecutor:
     `stage_busy_s` / `stage_wait_s` as in exec/merge.py."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, tp_size: int, *, max_model_len: int,
-                 max_batch_size: int, host_tier: bool, pp_size: int = 1, address: str | None = None,
-                 poll_interval_s: float = 0.2, placement_timeout_s: float = 120.0,
-                 stop_timeout_s: float = 10.0) -> None:
+                 max_batch_size: int, host_tier: bool, pp_size: int = 1, pp_layers: tuple[int, ...] | None = None,
+                 address: str | None = None, poll_interval_s: float = 0.2, death_wait_s: float = 5.0,
+                 placement_timeout_s: float = 120.0, stop_timeout_s: float = 10.0) -> None:
         self.size = tp_size * pp_size
         self.tp_size, self.pp_size = tp_size, pp_size
         self.poll_interval_s = poll_interval_s
+        self.death_wait_s = death_wait_s
         self.stop_timeout_s = stop_timeout_s
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode_result = msgspec.msgpack.Decoder(StepResult).decode
@@ -105,16 +111,19 @@ class RayExecutor:
         self._broken: str | None = None
         self._closed = False
         self.actors: list[Any] = []  # Ray actor handles, by rank
+        self.nodes: list[str] = []  # the Ray node id each rank runs on, by rank
         self._groups: list[PlacementGroup] = []
         self._owns_ray = _connect(address, self.size)
         try:
             gpu = _uses_gpu(model)
             self._groups = _place([tp_size] * pp_size, gpu, placement_timeout_s)
             self.actors = _start_actors(self._groups, gpu)
+            self.nodes = self._gather([a.node_id.remote() for a in self.actors])
             init_method = self._gather([self.actors[0].rendezvous_address.remote()])[0]
             threads = max(1, torch.get_num_threads() // self.size)  # one node's cores shared by its ranks
             specs = [RankSpec(model, cache, rank, self.size, max_model_len, max_batch_size, host_tier,
-                              init_method, threads, gpu=0, pp_size=pp_size)  # Ray shows an actor its own GPU only
+                              init_method, threads, gpu=0, pp_size=pp_size,
+                              pp_layers=pp_layers)  # Ray shows an actor its own GPU only
                      for rank in range(self.size)]
             caps = [msgspec.msgpack.decode(b, type=Capacity)
                     for b in self._gather([a.start.remote(s) for a, s in zip(self.actors, specs)])]
@@ -170,7 +179,8 @@ class RayExecutor:
     # ---- internals ------------------------------------------------------------------------------
     def _gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
         """Every rank's answer, in rank order; between tries, wait at most poll_interval_s. A dead
-        actor's or node's call fails at once, so a death raises WorkerError within that time."""
+        actor's or node's call fails at once, so a death raises WorkerError within that time; a
+        rank's failure, within death_wait_s more when no peer's death explains it."""
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         answers: list[Any] = [None] * len(refs)
         dead: list[str] = []
@@ -182,21 +192,28 @@ class RayExecutor:
                 try:
                     answers[rank] = ray.get(ref)
                 except _GONE as e:
-                    dead.append(f"tensor-parallel worker rank {rank} (Ray actor) died: {type(e).__name__}: {e}")
+                    dead.append(f"{self._describe(rank)} died: {type(e).__name__}: {e}")
                 except ray.exceptions.RayTaskError as e:
-                    failed.append(f"tensor-parallel worker rank {rank} failed:\n{e}")
+                    failed.append(f"{self._describe(rank)} failed:\n{e}")
 
         pending = list(refs)
         while pending and not (dead or failed):
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=self.poll_interval_s)
             collect(ready)
-        if failed and not dead and pending:
-            # A peer's death makes the survivors' collectives fail first: give its call one
-            # more interval to report, so that the dead rank is named first.
-            collect(ray.wait(pending, num_returns=len(pending), timeout=self.poll_interval_s)[0])
+        deadline = time.monotonic() + self.death_wait_s
+        while failed and not dead and pending and (left := deadline - time.monotonic()) > 0:
+            # A peer's death makes the survivors' collectives fail first (a lost node's actors may
+            # take a second to be reported dead): wait for it a while, so that the dead rank is named first.
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(self.poll_interval_s, left))
+            collect(ready)
         if dead or failed:
             self._fail("; ".join(dead + failed))
         return answers
+
+    def _describe(self, rank: int) -> str:
+        where = f" on node {self.nodes[rank]}" if rank < len(self.nodes) else ""
+        return (f"worker rank {rank} (pipeline stage {rank // self.tp_size}, tensor-parallel rank "
+                f"{rank % self.tp_size}; Ray actor{where})")
 
     def _kill_actors(self) -> None:
         for actor in self.actors:

@@ -8,9 +8,14 @@ leaves the last stage. With fewer batches ready than stages, stages idle: the pi
 which `stage_busy_s` measures. Synchronous swaps are distributed as in FastServe Fig. 10: each
 stage copies its own layers' KV before computing the batch (its share over its own host
 links), so they repeat down the pipe. Asynchronous copies overlap as in SimulatedExecutor.
+A cost model with a measured spread per stage (`CostModel.stage_spread`) has each batch's stage
+time drawn around its mean (lognormal of that std / mean, seeded): jitter is what stalls a pipe
+that holds no more batches than stages.
 """
 from __future__ import annotations
 
+import math
+import random
 from collections import deque
 
 from tokenslice.exec.sim import Clock, SimulatedExecutor
@@ -20,8 +25,9 @@ from tokenslice.predict.cost import CostModel
 
 class PipelinedSimulatedExecutor(SimulatedExecutor):
     def __init__(self, cost: CostModel, clock: Clock | None = None, block_bytes: int = 0,
-                 max_in_flight: int | None = None) -> None:
-        """`max_in_flight`: batches the engine keeps in the pipe; default one per stage."""
+                 max_in_flight: int | None = None, seed: int = 0) -> None:
+        """`max_in_flight`: batches the engine keeps in the pipe; default one per stage. `seed`:
+        for the stage times' spread, if the cost model has one."""
         super().__init__(cost, clock, block_bytes)
         self.num_stages = cost.pipeline_parallel
         self.max_in_flight = max_in_flight or self.num_stages
@@ -30,11 +36,16 @@ class PipelinedSimulatedExecutor(SimulatedExecutor):
         self._stage_free = [0.0] * self.num_stages  # when each stage is done with its last batch
         self.stage_busy_s = [0.0] * self.num_stages  # seconds each stage computed or copied
         self._flight: deque[StepResult] = deque()
+        # Lognormal sigma per stage for a mean-1 factor of spread cv: sigma^2 = ln(1 + cv^2).
+        self._sigma = [math.sqrt(math.log1p(cv * cv)) for cv in cost.stage_spread()]
+        self._rng = random.Random(seed)
 
     def submit(self, plan: StepPlan) -> None:
         t0 = self.now()
         sync_s = self.start_copies(plan, t0)
         stages = [0.0] * self.num_stages if plan.is_empty else self.cost.stage_seconds(self.shape(plan))
+        if any(self._sigma):
+            stages = [s * self._rng.lognormvariate(-sg * sg / 2, sg) if sg else s for s, sg in zip(stages, self._sigma)]
         hop = self.cost.p2p_seconds(plan.num_tokens)
         t = t0
         for i, compute_s in enumerate(stages):

@@ -78,6 +78,7 @@ class RankSpec:
     threads: int  # torch intra-op threads (CPU)
     gpu: int  # CUDA device index in this process (its rank, or 0 where Ray shows one GPU)
     pp_size: int = 1  # pipeline stages
+    pp_layers: tuple[int, ...] | None = None  # layers per stage; None: equal counts
 
     @property
     def tp_size(self) -> int:
@@ -234,7 +235,7 @@ def _load_stage(spec: RankSpec) -> tuple[LoadedModel, StagePipe | None]:
         for s in range(spec.pp_size):
             g = dist.new_group(list(range(s * tp, (s + 1) * tp)))
             group = g if s == index else group
-    stage = PPStage.of(load_arch(spec.model), index, spec.pp_size)
+    stage = PPStage.of(load_arch(spec.model), index, spec.pp_size, spec.pp_layers)
     loaded = load_model(spec.model, tp_rank, tp, with_tokenizer=False, stage=stage, group=group, gpu=spec.gpu)
     pipe = StagePipe(stage, spec.rank, tp, loaded.arch.hidden_size, loaded.dtype, loaded.device)
     return loaded, pipe

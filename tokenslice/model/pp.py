@@ -7,6 +7,11 @@ loaded into the last stage's head from the embedding's checkpoint tensor. Each s
 holds only its own layers. Ranks are laid out stage-major: stage s holds global ranks
 s*tp .. s*tp+tp-1, and TP rank r of stage s sends to TP rank r of stage s+1 (every TP rank holds
 the whole hidden state after its all-reduce). `PPStage` is pure index arithmetic.
+
+By default every stage gets as many layers (later stages take the extra); `layer_counts`
+(`--pipeline-layers 5,3`) sets them, since the last stage also computes the LM head and the
+slowest stage bounds a full pipe's throughput. `balanced_counts` picks counts from measured
+per-layer and head times.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ class PPStage:
     size: int
     num_layers: int  # the whole model's
     tie_word_embeddings: bool = False
+    bounds: tuple[int, ...] | None = None  # the stages' first layers and the end; None: equal counts
 
     def __post_init__(self) -> None:
         if not 0 <= self.stage < self.size:
@@ -41,12 +47,21 @@ class PPStage:
             raise ModelLoadError(f"pipeline_parallel_size {self.size} exceeds the model's {self.num_layers} layers")
 
     @classmethod
-    def of(cls, arch: ArchConfig, stage: int, size: int) -> PPStage:
-        return cls(stage, size, arch.num_layers, arch.tie_word_embeddings)
+    def of(cls, arch: ArchConfig, stage: int, size: int, layer_counts: tuple[int, ...] | None = None) -> PPStage:
+        """`layer_counts`: each stage's layers, first stage first; None: equal counts."""
+        bounds = None
+        if layer_counts is not None:
+            if len(layer_counts) != size or min(layer_counts) < 1 or sum(layer_counts) != arch.num_layers:
+                raise ModelLoadError(f"pipeline layers {','.join(map(str, layer_counts))}: need {size} counts of "
+                                     f"at least 1 summing to the model's {arch.num_layers} layers")
+            bounds = tuple(sum(layer_counts[:i]) for i in range(size + 1))
+        return cls(stage, size, arch.num_layers, arch.tie_word_embeddings, bounds)
 
     @property
     def layers(self) -> tuple[int, int]:
-        """[start, end) of the whole model's layers; an uneven split gives later stages the extra."""
+        """[start, end) of the whole model's layers; an uneven equal split gives later stages the extra."""
+        if self.bounds is not None:
+            return self.bounds[self.stage], self.bounds[self.stage + 1]
         n, m = self.num_layers, self.size
         return self.stage * n // m, (self.stage + 1) * n // m
 
@@ -85,6 +100,25 @@ class PPStage:
         if m is None:
             return local
         return f"{local[:m.start()]}.layers.{int(m.group(1)) + self.layers[0]}.{local[m.end():]}"
+
+
+def balanced_counts(layer_s: float, head_s: float, num_layers: int, size: int) -> tuple[int, ...]:
+    """Layers per stage for `size` contiguous stages of at least one layer, each layer taking
+    `layer_s` and the last stage also `head_s`: the split whose slowest stage is fastest (ties:
+    the earliest cuts)."""
+    def weight(start: int, end: int) -> float:
+        return (end - start) * layer_s + (head_s if end == num_layers else 0.0)
+
+    # best[k][e]: (slowest stage, cuts) over splits of layers [0, e) into k stages.
+    best: list[dict[int, tuple[float, tuple[int, ...]]]] = [{0: (0.0, (0,))}]
+    for k in range(1, size + 1):
+        row: dict[int, tuple[float, tuple[int, ...]]] = {}
+        for end in range(k, num_layers - (size - k) + 1):
+            row[end] = min((max(best[k - 1][start][0], weight(start, end)), best[k - 1][start][1] + (end,))
+                           for start in best[k - 1] if start < end)
+        best.append(row)
+    cuts = best[size][num_layers][1]
+    return tuple(b - a for a, b in zip(cuts, cuts[1:]))
 
 
 class StagePipe:

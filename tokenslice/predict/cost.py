@@ -290,6 +290,10 @@ class CostModel(ABC):
         """Sending `num_tokens` tokens' activations from one pipeline stage to the next."""
         return 0.0
 
+    def stage_spread(self) -> list[float]:
+        """Each stage's per-batch spread around `stage_seconds` (std / mean; 0: exact)."""
+        return [0.0] * self.pipeline_parallel
+
     def first_iteration_seconds(self, prompt_len: int) -> float:
         """A lone prefill of `prompt_len` tokens: FastServe §4.1 skip-join picks the entry queue by it."""
         return self.iteration_seconds(BatchShape.from_lengths(prefill=[(max(prompt_len, 1), 0)]))
@@ -535,13 +539,18 @@ class ProfileCostModel(CostModel):
                  model: str = "unknown", device: str = "unknown", samples: int = 0,
                  r2: float | None = None, tensor_parallel: int = 1, pipeline_parallel: int = 1,
                  p2p: TransferSpec | None = None, activation_bytes_per_token: int = 0,
-                 loop: dict[str, float] | None = None) -> None:
+                 loop: dict[str, float] | None = None, stage_factors: list[float] | None = None,
+                 stage_cv: list[float] | None = None) -> None:
         """`tensor_parallel`: GPUs the measured engine sharded the model over (its iteration times
         include their collectives; KV bytes per token are the whole model's).
         `pipeline_parallel`: stages the measured pass went through, one batch at a time; a stage
         takes an equal share of it less the sends between stages, each `p2p` (per send, per byte)
-        for `activation_bytes_per_token` bytes a token. `loop`: coefficients over LOOP_FEATURES
-        (missing ones are 0)."""
+        for `activation_bytes_per_token` bytes a token. `stage_factors`: each stage's time as a
+        multiple of that equal share (default 1 each), fitted to a real pipeline's stage timers: a
+        split even in layers but not in time (the LM head), stages slowed by sharing cores;
+        `stage_cv` their measured per-batch spread (std / mean, default 0): with as many batches in
+        flight as stages there is no slack, so a late stage stalls the next one.
+        `loop`: coefficients over LOOP_FEATURES (missing ones are 0)."""
         if tensor_parallel < 1 or pipeline_parallel < 1:
             raise ValueError(f"tensor_parallel and pipeline_parallel must be >= 1, got {tensor_parallel}, "
                              f"{pipeline_parallel}")
@@ -565,6 +574,12 @@ class ProfileCostModel(CostModel):
             raise ValueError(f"unknown loop terms {sorted(unknown)}; expected {list(LOOP_FEATURES)}")
         self.loop = {k: float((loop or {}).get(k, 0.0)) for k in LOOP_FEATURES}
         self._loop_weights = np.array([self.loop[k] for k in LOOP_FEATURES])
+        self.stage_factors = [float(f) for f in stage_factors] if stage_factors else [1.0] * pipeline_parallel
+        if len(self.stage_factors) != pipeline_parallel or min(self.stage_factors) <= 0:
+            raise ValueError(f"stage_factors must be {pipeline_parallel} positive numbers, got {stage_factors}")
+        self.stage_cv = [float(c) for c in stage_cv] if stage_cv else [0.0] * pipeline_parallel
+        if len(self.stage_cv) != pipeline_parallel or min(self.stage_cv) < 0:
+            raise ValueError(f"stage_cv must be {pipeline_parallel} numbers >= 0, got {stage_cv}")
 
     @property
     def name(self) -> str:
@@ -579,17 +594,26 @@ class ProfileCostModel(CostModel):
     def iteration_seconds(self, shape: BatchShape) -> float:
         if shape.is_empty():
             return 0.0
+        m = self.pipeline_parallel
+        if m > 1 and self.stage_factors != [1.0] * m:  # the fitted stages, not the measured pass
+            return sum(self.stage_seconds(shape)) + (m - 1) * self.p2p_seconds(shape.num_tokens)
+        return self._pass_seconds(shape)
+
+    def _pass_seconds(self, shape: BatchShape) -> float:
         return max(float(np.dot(self._weights, profile_features(shape))), 0.0)
 
     def stage_seconds(self, shape: BatchShape) -> list[float]:
         m = self.pipeline_parallel
-        compute = self.iteration_seconds(shape) - (m - 1) * self.p2p_seconds(shape.num_tokens)
-        return [max(compute, 0.0) / m] * m
+        compute = max(self._pass_seconds(shape) - (m - 1) * self.p2p_seconds(shape.num_tokens), 0.0)
+        return [f * compute / m for f in self.stage_factors]
 
     def p2p_seconds(self, num_tokens: int) -> float:
         if self.pipeline_parallel == 1 or num_tokens <= 0:
             return 0.0
         return self.p2p.seconds(num_tokens * self.activation_bytes_per_token)
+
+    def stage_spread(self) -> list[float]:
+        return list(self.stage_cv)
 
     def transfer_seconds(self, num_bytes: int, num_ops: int = 1) -> float:
         return self.transfer.seconds(num_bytes, num_ops)
@@ -606,7 +630,8 @@ class ProfileCostModel(CostModel):
     def to_dict(self) -> dict[str, Any]:
         pipeline = {} if self.pipeline_parallel == 1 else {
             "pipeline_parallel": self.pipeline_parallel, "activation_bytes_per_token": self.activation_bytes_per_token,
-            "p2p": {"bytes_per_s": self.p2p.bytes_per_s, "op_overhead_s": self.p2p.op_overhead_s}}
+            "p2p": {"bytes_per_s": self.p2p.bytes_per_s, "op_overhead_s": self.p2p.op_overhead_s},
+            "stage_factors": list(self.stage_factors), "stage_cv": list(self.stage_cv)}
         return {"kind": self.kind, "model": self.model, "device": self.device,
                 "coefficients": dict(self.coefficients), "loop": dict(self.loop),
                 "transfer": {"bytes_per_s": self.transfer.bytes_per_s, "op_overhead_s": self.transfer.op_overhead_s},
@@ -623,7 +648,8 @@ class ProfileCostModel(CostModel):
                    tensor_parallel=int(data.get("tensor_parallel", 1)),
                    pipeline_parallel=int(data.get("pipeline_parallel", 1)),
                    p2p=TransferSpec(float(p2p["bytes_per_s"]), float(p2p["op_overhead_s"])) if p2p else None,
-                   activation_bytes_per_token=int(data.get("activation_bytes_per_token", 0)), loop=data.get("loop"))
+                   activation_bytes_per_token=int(data.get("activation_bytes_per_token", 0)), loop=data.get("loop"),
+                   stage_factors=data.get("stage_factors"), stage_cv=data.get("stage_cv"))
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:

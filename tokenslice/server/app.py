@@ -481,6 +481,10 @@ class Server:
     @staticmethod
     def fault(request_id: str, e: BaseException) -> APIError:
         log.error("%s failed in the engine: %s", request_id, e)
+        if isinstance(e, EngineDeadError):  # the server is done for: say why (e.g. which worker died), in one line
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            return APIError(500, f"the engine stopped: {why} (request id {request_id})", type="server_error",
+                            code="engine_error")
         return APIError(500, f"internal engine error (request id {request_id})", type="server_error",
                         code="engine_error")
 
