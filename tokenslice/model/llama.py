@@ -26,15 +26,16 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
+        t, h, kvh, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([self.q_proj.out_features, self.k_proj.out_features,
-                                               self.v_proj.out_features], dim=-1)
+            # q and k sit side by side in the fused output: one rotary pass over both heads' sets.
+            qk, v = self.qkv_proj(x).split([(h + kvh) * hd, kvh * hd], dim=-1)
+            q, k = apply_rotary(qk.view(t, h + kvh, hd), cos, sin).split([h, kvh], dim=1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+            q = apply_rotary(self.q_proj(x).reshape(t, h, hd), cos, sin)
+            k = apply_rotary(self.k_proj(x).reshape(t, kvh, hd), cos, sin)
+            v = self.v_proj(x)
+        v = v.reshape(t, kvh, hd)
         o = paged_attention(q, k, v, kv_layer, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from tokenslice.config import ModelConfig
 from tokenslice.model.arch import ArchConfig, ModelLoadError, parse_config
-from tokenslice.model.layers import use_input_major_linears
+from tokenslice.model.layers import onednn_packs_linears, use_input_major_linears
 from tokenslice.model.builtin import BUILTIN_SEED, BUILTIN_TINY, builtin_config, builtin_tokenizer
 from tokenslice.model.llama import LlamaForCausalLM
 from tokenslice.model.opt import OPTForCausalLM
@@ -154,7 +154,7 @@ def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.
         # A head tied to the embedding stays as is: transposing it would duplicate the table.
         head = model.lm_head
         tied = {id(head.weight)} if model.arch.tie_word_embeddings and head is not None else set()
-        use_input_major_linears(model, tied)
+        use_input_major_linears(model, tied, onednn_packs_linears(dtype))
     return model
 
 
