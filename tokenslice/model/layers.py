@@ -85,6 +85,7 @@ def onednn_packs_linears(dtype: torch.dtype) -> bool:
 
 
 PACK_MIN_WEIGHTS = 1 << 16  # a 256 x 256 weight; the 24M model's smallest is 512 x 256
+PACKED_LINEARS_MAX_BYTES = 1 << 30  # the packed copies double the linears' memory: small models only
 
 
 class InputMajorLinear(nn.Module):
@@ -117,9 +118,11 @@ class InputMajorLinear(nn.Module):
 
 
 def use_input_major_linears(model: nn.Module, keep: set[int], packed: bool = False) -> None:
-    """Swap every non-empty nn.Linear for an InputMajorLinear (`packed`: with oneDNN's copy too),
-    except those whose weight is in `keep` (ids of shared parameters, such as a head tied to the
-    embedding)."""
+    """Swap every non-empty nn.Linear for an InputMajorLinear (`packed`: with oneDNN's copy too,
+    where all linears together take at most PACKED_LINEARS_MAX_BYTES), except those whose weight
+    is in `keep` (ids of shared parameters, such as a head tied to the embedding)."""
+    linear_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, nn.Linear))
+    packed = packed and linear_bytes <= PACKED_LINEARS_MAX_BYTES
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.numel() and id(child.weight) not in keep:

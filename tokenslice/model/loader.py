@@ -138,9 +138,6 @@ def _builtin_weights(arch: ArchConfig) -> nn.Module:
     return model
 
 
-PACKED_LINEARS_MAX_BYTES = 1 << 30  # a second, oneDNN-packed copy of the linears up to 1 GiB of them
-
-
 def _copy_weights(model: nn.Module, source: nn.Module, shard: TPShard | None, stage: PPStage | None) -> None:
     full = dict(source.named_parameters(remove_duplicate=False))  # a tied head keeps its name
     with torch.no_grad():
@@ -157,10 +154,7 @@ def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.
         # A head tied to the embedding stays as is: transposing it would duplicate the table.
         head = model.lm_head
         tied = {id(head.weight)} if model.arch.tie_word_embeddings and head is not None else set()
-        linear_bytes = sum(m.weight.nbytes for m in model.modules() if isinstance(m, nn.Linear))
-        # The packed copy doubles the linears' memory: only for the small models a CPU serves fast.
-        packed = onednn_packs_linears(dtype) and linear_bytes <= PACKED_LINEARS_MAX_BYTES
-        use_input_major_linears(model, tied, packed)
+        use_input_major_linears(model, tied, onednn_packs_linears(dtype))
     return model
 
 
