@@ -577,6 +577,7 @@ class ProfileCostModel(CostModel):
         self.stage_factors = [float(f) for f in stage_factors] if stage_factors else [1.0] * pipeline_parallel
         if len(self.stage_factors) != pipeline_parallel or min(self.stage_factors) <= 0:
             raise ValueError(f"stage_factors must be {pipeline_parallel} positive numbers, got {stage_factors}")
+        self._stages_fitted = self.stage_factors != [1.0] * pipeline_parallel
         self.stage_cv = [float(c) for c in stage_cv] if stage_cv else [0.0] * pipeline_parallel
         if len(self.stage_cv) != pipeline_parallel or min(self.stage_cv) < 0:
             raise ValueError(f"stage_cv must be {pipeline_parallel} numbers >= 0, got {stage_cv}")
@@ -594,9 +595,8 @@ class ProfileCostModel(CostModel):
     def iteration_seconds(self, shape: BatchShape) -> float:
         if shape.is_empty():
             return 0.0
-        m = self.pipeline_parallel
-        if m > 1 and self.stage_factors != [1.0] * m:  # the fitted stages, not the measured pass
-            return sum(self.stage_seconds(shape)) + (m - 1) * self.p2p_seconds(shape.num_tokens)
+        if self._stages_fitted:  # the fitted stages, not the measured pass
+            return sum(self.stage_seconds(shape)) + (self.pipeline_parallel - 1) * self.p2p_seconds(shape.num_tokens)
         return self._pass_seconds(shape)
 
     def _pass_seconds(self, shape: BatchShape) -> float:
