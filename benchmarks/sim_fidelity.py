@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenslice.bench.trace_compare import ingress_gap, steps_between
+from tokenslice.bench.trace_compare import fit_egress, ingress_gap, steps_between
 from tokenslice.bench.twin import TwinPoint, TwinSpec, profile_in_child, run_twin
 from tokenslice.bench.workloads import DatasetCache
 from tokenslice.config import CacheConfig
@@ -114,15 +114,18 @@ def run_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             for record in steps_between(cal_steps, a, b):
                 writer.write(record)
     writer.close()
-    tick("fitting the simulator's profile on the calibration runs' steps (profile --from-trace)")
-    profile_in_child(spec, fitted, 64, from_trace=[fit_on])
-    # The serving path as the calibration run's requests met it under load (not 8 lone probes).
-    under = [p["policies"]["fcfs"]["admission"]["path_under_load"] for p in calibration["points"]]
+    tick("fitting the simulator's profile on the calibration runs' steps and the grid (profile --from-trace)")
+    profile_in_child(spec, fitted, 64, from_trace=[fit_on], with_grid=calibration["profile_file"])
+    # The serving path as the calibration run's requests met it under load (not 8 lone probes):
+    # egress against the tokens each first token's step streamed, over both loads' requests.
+    adm = [p["policies"]["fcfs"]["admission"] for p in calibration["points"]]
+    under = [a["path_under_load"] for a in adm]
+    egress_s, egress_per_token_s = fit_egress([tuple(x) for a in adm for x in a["egress_samples"]])
     clock = str(fitted) if args.sim_clock == "trace-fit" else calibration["profile_file"]
     spec = dataclasses.replace(spec, profile=calibration["profile_file"], sim_profile=clock,
                                saturation_rps=calibration["saturation_rps"],
                                ingress_s=float(np.mean([u["ingress_s"] for u in under])),
-                               egress_s=float(np.mean([u["egress_s"] for u in under])),
+                               egress_s=egress_s, egress_per_token_s=egress_per_token_s,
                                ingress_gap_s=ingress_gap(steps_between(cal_steps, *calibration["saturation_window"])))
     result = run_twin(spec, progress=tick, cache=DatasetCache(), points=POINTS)
     result["elapsed_s"] = time.perf_counter() - t0
@@ -158,7 +161,8 @@ def table(name: str, result: dict[str, Any]) -> str:
     spec = result["spec"]
     clock = "grid" if spec["sim_profile"] == spec["profile"] else "trace-fit"
     lines += [f"simulator: clock on the {clock} profile, serving path in {1e3 * spec['ingress_s']:.2f} ms, out "
-              f"{1e3 * spec['egress_s']:.2f} ms, {1e3 * spec['ingress_gap_s']:.2f} ms per request taken in "
+              f"{1e3 * spec['egress_s']:.2f} ms + {1e6 * spec['egress_per_token_s']:.1f} us per token its step "
+              f"streamed, {1e3 * spec['ingress_gap_s']:.2f} ms per request taken in "
               "(calibration runs); per request of the first run, real / simulated: send to the step running its "
               "prompt (ms), steps begun in between, that step's start to the first token (ms)",
              "| point | policy | real norm. latency (spread) | simulated | error | | real TTFT (spread) | simulated "
