@@ -7,16 +7,18 @@ machinery (tokenslice.bench.twin) does two things:
 - calibration: profile the model on this machine (`tokenslice profile`, one thread, as the
   servers run: the synthetic grid), start an fcfs server, measure fcfs saturation over HTTP (all
   requests at once) and replay a trace of its own (seed + 1, half the requests) at rho = 0.5 and
-  0.9 with a step trace; `tokenslice profile --from-trace` fits the simulator's cost model on
-  those two runs' steps (forward pass and the loop's own time, engine/trace_fit.py), and
-  `path_under_load` reads the serving path off their requests (bench/trace_compare.py);
+  0.9 with a step trace; `tokenslice profile --from-trace --with-grid` fits the simulator's cost
+  model on those two runs' steps and the grid's timed batches (forward pass and the loop's own
+  time, engine/trace_fit.py), and the serving path is read off their requests
+  (bench/trace_compare.py: ingress per request, egress as a line in the tokens each first token's
+  step streamed, fitted over both runs);
 - measured runs: start one `tokenslice serve` per policy (fcfs, skip-join-mlfq, srpt-predicted;
   max batch 16, ample KV, step traces on; the policies rank by the grid profile) and replay the
   same Alpaca-shaped traces (GPT-2 token counts, vLLM's length filter, prompts sent as token ids
   of each request's length, outputs forced to their length) at Poisson rho = 0.3, 0.5, 0.7, 0.9
   and Gamma CV = 4 rho = 0.8, `--repeats` times each on the real server and once per real run in
   the simulator, its clock on the trace-fitted profile (`twin --sim-profile`), with the measured
-  serving path.
+  serving path, each request's max_tokens its output length as the client sends it.
 
 Reported: mean normalized latency and mean TTFT, real (mean over repeats, spread = largest
 relative distance of a repeat from that mean) vs simulated, the error, and whether it meets the
