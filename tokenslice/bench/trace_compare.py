@@ -24,7 +24,7 @@ from tokenslice.bench.client import ClientRecord
 from tokenslice.bench.metrics import RequestRecord
 from tokenslice.bench.serving_path import ServingPath
 from tokenslice.engine.step_trace import StepRecord
-from tokenslice.predict.cost import nnls
+from tokenslice.engine.trace_fit import l1_nnls
 
 # Step starts and client stamps come from two processes' clocks read at different moments:
 # allow this much disorder when matching a sent request to the step that ran it.
@@ -151,18 +151,18 @@ def admission_summary(adm: Sequence[Admission]) -> dict[str, Any]:
 
 def fit_egress(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     """(egress_s, egress_per_token_s) of ServingPath from (tokens the step emitted, seconds from
-    its end to the client reading the token) per request: the least-squares line, both terms
-    non-negative (the mean when the steps all emitted alike). Least squares, not least absolute
-    error: a delivery stalled now and then delays the clients' mean TTFT too, which the simulator
-    is held to."""
+    its end to the client reading the token) per request, both non-negative: the slope of the
+    least-absolute-error line (a few stalled deliveries do not tilt it), the intercept through
+    the samples' mean (those stalls delay the clients' mean TTFT too, which the simulator is held
+    to); the mean alone when the steps all emitted alike."""
     if not samples:
         raise ValueError("no egress samples")
     n = np.array([k for k, _ in samples], dtype=float)
     y = np.array([max(0.0, t) for _, t in samples])
-    if len(set(n.tolist())) < 2:
-        return float(np.mean(y)), 0.0
-    base, per = nnls(np.stack([np.ones_like(n), n], axis=1), y)
-    return float(base), float(per)
+    per = 0.0
+    if len(set(n.tolist())) >= 2:
+        per = float(l1_nnls(np.stack([np.ones_like(n), n], axis=1), y, np.ones_like(y))[1])
+    return max(0.0, float(np.mean(y - per * n))), per
 
 
 def egress_samples(adm: Sequence[Admission]) -> list[tuple[int, float]]:
