@@ -85,7 +85,7 @@ class RunningServer:
 
 def start_server(*flags: str) -> RunningServer:
     """Start `tokenslice serve --model builtin:tiny <flags>` in-process on a free port."""
-    args = build_parser().parse_args(["--log-level", "INFO", "serve", "--model", "builtin:tiny", *flags])
+    args = build_parser().parse_args(["--log-level", "INFO", "serve", "--model", "builtin:tiny", "--no-compile", *flags])
     return serve_app(serve_app_from_args(args))
 
 

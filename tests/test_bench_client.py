@@ -188,6 +188,7 @@ def test_bench_command_starts_and_stops_servers(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tokenslice.cli", "bench", "--model", "builtin:tiny", "--policy", "fcfs,srpt-oracle",
            "--workload", "synthetic-zipf", "--min-len", "2", "--max-len", "16", "--rates", "20",
            "--num-requests", "8", "--slo-normalized-latency", "1", "--warmup", "1", "--quiet", "--interleave",
+           "--server-args=--no-compile",
            "--out", str(out), "--plot", str(fig)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -203,7 +204,7 @@ def test_bench_command_starts_and_stops_servers(tmp_path: Path) -> None:
 
 
 def test_running_server_is_torn_down() -> None:
-    with running_server(ServerSpec("builtin:tiny", args=["--kv-cache-blocks", "16"]), "fcfs") as url:
+    with running_server(ServerSpec("builtin:tiny", args=["--kv-cache-blocks", "16", "--no-compile"]), "fcfs") as url:
         assert httpx.get(url + "/health").status_code == 200
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health", timeout=2)

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 from conftest import STORIES
 from serverkit import serve_app
 from tokenslice import LLM, SamplingParams
-from tokenslice.cli import build_parser, serve_app_from_args
+from tokenslice.cli import build_parser, engine_config_from_args, serve_app_from_args, serve_engine_config
 from tokenslice.model.compiled_decode import _pad, buckets
 from tokenslice.model.input_batch import DecodeInputs
 
@@ -73,7 +73,16 @@ def _served_texts(*flags: str) -> list[str]:
 
 
 def test_served_compiled_decode_gives_the_eager_tokens():
-    assert _served_texts("--compile") == _served_texts("--no-compile")
+    assert _served_texts() == _served_texts("--no-compile")  # serve compiles by default
+
+
+def test_serve_compiles_by_default_and_the_python_api_does_not():
+    parse = build_parser().parse_args
+    assert serve_engine_config(parse(["serve"])).model.compile is True
+    assert serve_engine_config(parse(["serve", "--no-compile"])).model.compile is False
+    assert not engine_config_from_args(parse(["generate", "--prompt", "x"])).model.compile
+    with LLM(str(STORIES), kv_cache_blocks=8) as llm:
+        assert llm.engine.executor.runner.compiled is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

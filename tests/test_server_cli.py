@@ -25,7 +25,7 @@ def _free_port() -> int:
 def test_serve_subcommand() -> None:
     port = _free_port()
     cmd = [sys.executable, "-m", "tokenslice.cli", "serve", "--model", "builtin:tiny", "--port", str(port),
-           "--kv-cache-blocks", "16", "--served-model-name", "tiny", "--api-key", "k"]
+           "--kv-cache-blocks", "16", "--served-model-name", "tiny", "--api-key", "k", "--no-compile"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"

@@ -158,7 +158,7 @@ def test_killed_core_fails_streams_and_health() -> None:
 
 
 def _serve(*flags: str, new_session: bool = False) -> tuple[subprocess.Popen[str], queue.Queue[str]]:
-    cmd = [sys.executable, "-m", "tokenslice.cli", "serve", "--model", MODEL, *flags]
+    cmd = [sys.executable, "-m", "tokenslice.cli", "serve", "--model", MODEL, "--no-compile", *flags]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=new_session)
     lines: queue.Queue[str] = queue.Queue()

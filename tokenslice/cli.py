@@ -91,7 +91,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="keep decode block tables between steps, updating what changed (on by default); "
               "off: rebuild them every step")
     flag(ModelConfig, "compile", action=argparse.BooleanOptionalAction,
-         help="CPU: run decode steps compiled by torch.compile (inductor; compiles at start-up)")
+         help="CPU: run decode steps compiled by torch.compile (inductor; 15-40 s at start-up); "
+              "default: on for serve, off otherwise")
     flag(ModelConfig, "cuda_graphs", action=argparse.BooleanOptionalAction,
          help="CUDA: replay decode steps from CUDA graphs captured at start-up (on by default)")
     flag(CacheConfig, "block_size")
@@ -201,6 +202,14 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def serve_engine_config(a: argparse.Namespace) -> EngineConfig:
+    """`serve`'s engine: the flags, with compiled decode on unless --no-compile (ModelConfig.compile)."""
+    config = engine_config_from_args(a)
+    if config.model.compile is None:
+        config.model.compile = True
+    return config
+
+
 def serve_app_from_args(a: argparse.Namespace) -> Any:
     """The FastAPI app `serve` runs (tests start it the same way). With --engine-process (the
     default) the engine core starts here, in its own process, and is ready when this returns."""
@@ -214,7 +223,7 @@ def serve_app_from_args(a: argparse.Namespace) -> Any:
     settings = ServerSettings(served_model_name=a.served_model_name or a.model, api_key=a.api_key or None,
                               max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes,
                               engine_process=a.engine_process)
-    config = engine_config_from_args(a)
+    config = serve_engine_config(a)
     engine: Any
     if settings.engine_process:
         from tokenslice.engine.core_client import EngineCoreClient

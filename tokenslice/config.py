@@ -71,9 +71,11 @@ class ModelConfig:
     # persistent batch, model/input_batch.py); off: rebuild them from every plan (the reference).
     persistent_batch: bool = True
     # Decode-only steps as compiled code (model/compiled_decode.py). CPU: torch.compile (inductor),
-    # off by default: seconds of compilation at start-up. CUDA: graphs per batch and
-    # context bucket, captured at start-up; cuda_graphs has no effect on CPU, compile none on CUDA.
-    compile: bool = False
+    # 15-40 s of compilation at start-up; None: on for `tokenslice serve` (a long-lived server
+    # pays it once for 2-3x faster small-model steps), off for the Python API and one-off commands.
+    # CUDA: graphs per batch and context bucket, captured at start-up; cuda_graphs has no effect
+    # on CPU, compile none on CUDA.
+    compile: bool | None = None
     cuda_graphs: bool = True
 
     def validate(self) -> None:

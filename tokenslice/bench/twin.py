@@ -128,7 +128,8 @@ class TwinSpec:
         return ["--dtype", self.dtype, "--max-batch-size", str(self.max_batch_size), "--max-tokens-per-step",
                 str(self.max_tokens_per_step), "--block-size", str(self.block_size), "--preemption", self.preemption,
                 "--kv-cache-blocks", str(kv_blocks), "--host-kv-blocks", str(4 * kv_blocks), "--profile", profile,
-                "--slo-normalized-latency", repr(slo), "--step-trace", trace]
+                "--slo-normalized-latency", repr(slo), "--step-trace", trace,
+                "--no-compile"]  # the profile's engine runs eager (`tokenslice profile`)
 
     def scheduler_config(self, policy: str, slo: float) -> SchedulerConfig:
         cfg = SchedulerConfig(policy=policy, preemption=self.preemption, max_batch_size=self.max_batch_size,

@@ -112,7 +112,7 @@ class _ModelSide:
         host_blocks = num_host_kv_blocks(config.cache, loaded) if swapping else 0
         runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed,
                              num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype,
-                             persistent_batch=config.model.persistent_batch, compile=config.model.compile,
+                             persistent_batch=config.model.persistent_batch, compile=bool(config.model.compile),
                              cuda_graphs=config.model.cuda_graphs, max_batch_size=config.scheduler.max_batch_size,
                              max_model_len=max_len)
         return _ModelSide(LocalExecutor(runner), loaded.arch, loaded.tokenizer, loaded.name, max_len, blocks,

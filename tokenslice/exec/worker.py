@@ -141,7 +141,7 @@ class RankWorker:
                                   pipe=self.pipe, persistent_batch=spec.model.persistent_batch,
                                   # Ranks run decode eager: collectives inside compiled code and
                                   # graphs are untested here.
-                                  compile=spec.model.compile and spec.size == 1,
+                                  compile=bool(spec.model.compile) and spec.size == 1,
                                   cuda_graphs=spec.model.cuda_graphs and spec.size == 1,
                                   max_batch_size=spec.max_batch_size, max_model_len=spec.max_model_len)
 

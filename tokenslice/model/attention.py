@@ -35,6 +35,9 @@ class AttentionMetadata:
     pf_mask: torch.Tensor | None = None  # [P, 1, Qmax, Kmax] causal and length mask
     # A decode-only step run compiled: attention goes through the opaque decode_attention op.
     opaque_decode: bool = False
+    # A decode-only step run by torch.compile: the pool is only read (dec_slots is [D, Lmax]) and
+    # each layer's new [2, D, KVH, hd] K/V is appended here, for the caller to write after the step.
+    new_kv: list[torch.Tensor] | None = None
 
 
 def _table_tensor(slices: list[SeqSlice], width: int) -> torch.Tensor:
@@ -131,12 +134,43 @@ def _decode_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     return torch.empty_like(q)
 
 
+def traced_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode attention for torch.compile's graphs: each row's query over its context already in
+    the pool (keys before its position, gathered through the slots) plus its own new key. Nothing
+    is written to the pool, so the graph has no mutation and stays whole (the caller writes
+    meta.new_kv after the step). One row runs as two small matmuls, several through SDPA: the
+    faster of each on the CPUs measured (BENCHMARKS.md, "Decode forward")."""
+    assert meta.new_kv is not None and meta.dec_slots is not None
+    meta.new_kv.append(torch.stack([k, v]))
+    d, kvh, hd = k.shape
+    g, keys = q.shape[1] // kvh, meta.dec_slots.shape[1]
+    k_ctx = kv_layer[0].view(-1, kvh, hd)[meta.dec_slots]  # [D, L, KVH, hd]
+    v_ctx = kv_layer[1].view(-1, kvh, hd)[meta.dec_slots]
+    kpos = torch.arange(keys + 1)
+    # The slot at a row's own position is stale (its new K/V is not written yet): key L stands in.
+    visible = (kpos < meta.positions[:, None]) | (kpos == keys)  # [D, L + 1]
+    if d == 1:
+        qg = q.view(kvh, g, hd) * scale
+        k_all = torch.cat([k_ctx[0], k], 0).transpose(0, 1)  # [KVH, L + 1, hd]
+        v_all = torch.cat([v_ctx[0], v], 0).transpose(0, 1)
+        scores = torch.matmul(qg, k_all.transpose(1, 2)).masked_fill(~visible, float("-inf"))
+        return torch.matmul(torch.softmax(scores, -1), v_all).reshape(1, kvh * g, hd)
+    k_all = torch.cat([k_ctx, k.unsqueeze(1)], 1).transpose(1, 2)  # [D, KVH, L + 1, hd]
+    v_all = torch.cat([v_ctx, v.unsqueeze(1)], 1).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, attn_mask=visible[:, None, None, :],
+                                       scale=scale, enable_gqa=g != 1)
+    return o.squeeze(2)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]; kv_layer: [2, num_blocks, block_size, KVH, D] (a view).
 
     Writes the new K/V into their slots, then attends each token over its request's context.
     """
+    if meta.new_kv is not None:
+        return traced_decode_attention(q, k, v, kv_layer, meta, scale)
     if meta.opaque_decode:
         return decode_attention(q, k, v, kv_layer, meta.slots, meta.dec_slots, meta.dec_mask, scale)
     kvh, hd = k.shape[1], k.shape[2]

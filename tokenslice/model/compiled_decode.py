@@ -13,11 +13,16 @@ op-by-op eager PyTorch, whose per-operator dispatch dominates small models' step
   context to a power of two blocks (the mask hides the padding). A step larger than every
   bucket runs eager.
 
-The KV write and attention stay one opaque operator (attention.decode_attention), so neither
-the compiler nor a graph copies the KV pool. Mixed steps (prefill rows) always run eager.
+Neither the compiler nor a graph may copy the KV pool. On CPU the graph only reads it: attention
+(attention.traced_decode_attention) reads each row's context through its slots, fused into
+inductor's kernels, plus the row's own new K/V, which the graph returns and one index_copy_ then
+writes for all layers. A CUDA graph keeps the write and attention in one opaque operator
+(attention.decode_attention). Mixed steps (prefill rows) always run eager.
 """
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -27,6 +32,7 @@ from torch import nn
 from tokenslice.model.attention import AttentionMetadata, step_metadata
 from tokenslice.model.input_batch import DecodeInputs
 
+log = logging.getLogger("tokenslice.model.compiled_decode")
 
 def buckets(limit: int, start: int = 1) -> list[int]:
     """Powers of two from `start` up to the first one covering `limit`."""
@@ -34,6 +40,15 @@ def buckets(limit: int, start: int = 1) -> list[int]:
     while out[-1] < limit:
         out.append(out[-1] * 2)
     return out
+
+
+def _traced_decode(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, dec_slots: torch.Tensor,
+                   kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and the step's new K/V, [layers, 2, D, KVH, hd]; the pool is only read."""
+    meta = AttentionMetadata(positions=positions, slots=positions, num_decode=input_ids.shape[0],  # slots: unused
+                             dec_slots=dec_slots, dec_len=dec_slots.shape[1], new_kv=[])
+    logits = model.compute_logits(model(input_ids, meta, kv))
+    return logits, torch.stack(meta.new_kv)
 
 
 def _decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -54,19 +69,29 @@ class CompiledDecode:
         if device.type == "cuda":
             self._capture_all()
         else:
+            log.info("compiling decode steps (torch.compile, at start-up only; --no-compile skips it)")
+            t0 = time.perf_counter()
             # dynamic=False: only the dimensions _warm_up marks are dynamic.
-            self._warm_up(torch.compile(self._eager, dynamic=False), max_batch_size)
+            self._warm_up(torch.compile(self._traced, dynamic=False), max_batch_size)
+            log.info("decode steps compiled in %.1f s", time.perf_counter() - t0)
             # From here on only those graphs run: a step they do not take runs eager instead of
             # compiling mid-stream, and no step pays for marking dimensions again.
-            self._fn: Callable[..., torch.Tensor] = torch._dynamo.run(self._eager)
+            self._fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch._dynamo.run(self._traced)
 
     def _eager(self, *args: torch.Tensor) -> torch.Tensor:
         return _decode_logits(self.model, *args)
 
+    def _traced(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _traced_decode(self.model, *args)
+
     def logits(self, dec: DecodeInputs) -> torch.Tensor | None:
         """[D, vocab] logits of a decode-only step, or None where no compiled shape fits it."""
         if self.device.type != "cuda":
-            return self._fn(*self._inputs(dec), self.kv)
+            ids, positions, slots, dec_slots = self._inputs(dec)
+            logits, new_kv = self._fn(ids, positions, dec_slots, self.kv)
+            layers, _, blocks, bs, kvh, hd = self.kv.shape
+            self.kv.view(layers, 2, blocks * bs, kvh, hd).index_copy_(2, slots, new_kv)
+            return logits
         d, bs = len(dec.positions), self.block_size
         b = next((b for b in self.batch_buckets if b >= d), None)
         c = next((c for c in self.ctx_buckets if c > int(dec.positions.max())), None)
@@ -81,21 +106,20 @@ class CompiledDecode:
         if dec.tables.shape[1] != width:
             dec = _pad(dec, d, width)
         meta = step_metadata(dec, [], bs, self.device, width * bs)
-        return torch.from_numpy(dec.token_ids), meta.positions, meta.slots, meta.dec_slots, meta.dec_mask
+        assert meta.dec_slots is not None
+        return torch.from_numpy(dec.token_ids), meta.positions, meta.slots, meta.dec_slots.view(d, width * bs)
 
     @torch.inference_mode()
-    def _warm_up(self, compiled: Callable[..., torch.Tensor], max_batch_size: int) -> None:
+    def _warm_up(self, compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]], max_batch_size: int) -> None:
         """Compile both graphs now, before any request: met mid-stream, a compilation (seconds)
-        would stall every running request. The dummy rows write K/V into block 0, which no
-        request holds yet."""
+        would stall every running request. The graphs write nothing."""
         for d in (1, 2)[:max_batch_size]:
-            inputs = self._inputs(DecodeInputs(np.zeros(d, dtype=np.int64), np.ones(d, dtype=np.int64),
-                                               np.zeros((d, 1), dtype=np.int64)))
-            for t in inputs if d > 1 else ():  # the rows
+            ids, positions, _slots, dec_slots = self._inputs(
+                DecodeInputs(np.zeros(d, dtype=np.int64), np.ones(d, dtype=np.int64), np.zeros((d, 1), dtype=np.int64)))
+            for t in (ids, positions, dec_slots) if d > 1 else ():  # the rows
                 torch._dynamo.mark_dynamic(t, 0)
-            torch._dynamo.mark_dynamic(inputs[3], 0)  # the keys: dec_slots, dec_mask
-            torch._dynamo.mark_dynamic(inputs[4], 3)
-            compiled(*inputs, self.kv)
+            torch._dynamo.mark_dynamic(dec_slots, 1)  # the keys
+            compiled(ids, positions, dec_slots, self.kv)
 
 
 def _pad(dec: DecodeInputs, rows: int, width: int) -> DecodeInputs:
