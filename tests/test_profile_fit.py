@@ -5,6 +5,7 @@ No timing thresholds: the synthetic trace is generated from known coefficients, 
 is only checked to fit, evaluate and drive the simulator."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.engine.step_trace import StepRecord, load_step_trace
-from tokenslice.engine.trace_fit import evaluate_steps, evaluate_trace, fit_steps, traced_steps
+from tokenslice.engine.trace_fit import evaluate_steps, evaluate_trace, fit_steps, grid_measurements, traced_steps
 from tokenslice.predict.cost import (PROFILE_FEATURES, BatchShape, LoopShape, ProfileCostModel, TransferSpec,
                                      load_cost_model)
 
@@ -173,3 +174,55 @@ def test_fit_and_evaluate_real_traces_through_the_cli(tmp_path: Path) -> None:
     sim = Engine.simulated(SchedulerConfig(policy="skip-join-mlfq", max_batch_size=8), cost, kv_cache_blocks=256)
     assert sim.loop_cost is cost
     assert all(r.is_finished for r in _steps(sim, 10, 12))
+
+
+def test_grid_batches_join_the_forward_fit(tmp_path: Path) -> None:
+    """The grid profile's timed batches (large ones, which a short trace of small batches lacks),
+    read back from its JSON, join the traced forward passes: on one machine the joint fit recovers
+    its coefficients; a grid from a slower one pulls the fit half way."""
+    truth = ProfileCostModel(FORWARD, LINK, 1280, loop=LOOP)
+    small = [s for s in synthetic_trace(3000, seed=4) if len(s.decode) + len(s.prefill) <= 3]
+    shapes = [BatchShape.from_lengths([(q, past)] * n if q else [], [c] * d)
+              for q, past, n, d, c in [(0, 0, 0, d, c) for d in (1, 2, 4, 8, 16, 32) for c in (16, 128, 512)]
+              + [(q, p, n, 0, 0) for q in (16, 64, 256) for p in (0, 128) for n in (1, 2, 4)]
+              + [(q, 0, 1, d, 128) for q in (32, 128) for d in (4, 16)]]
+    profile = tmp_path / "grid.json"
+    profile.write_text(json.dumps({"kind": "profile", "coefficients": FORWARD, "measurements": [
+        {**dataclasses.asdict(s), "seconds": truth.iteration_seconds(s)} for s in shapes]}))
+    grid = grid_measurements(profile)
+    assert [s for s, _ in grid] == shapes
+    cost = fit_steps(traced_steps(small), kv_bytes_per_token=1280, block_bytes=BLOCK_BYTES, transfer=LINK,
+                     match_total=False, grid=grid)
+    for name in PROFILE_FEATURES:
+        assert cost.coefficients[name] == pytest.approx(FORWARD[name], rel=0.05, abs=1e-12), name
+    big = BatchShape.from_lengths([], [300] * 16)
+    assert cost.iteration_seconds(big) == pytest.approx(truth.iteration_seconds(big), rel=0.02)
+    # A grid timed twice as slow counts as much as the trace: the fit lands between the two.
+    slow = fit_steps(traced_steps(small), kv_bytes_per_token=1280, block_bytes=BLOCK_BYTES, transfer=LINK,
+                     match_total=False, grid=[(s, 2 * t) for s, t in grid])
+    assert truth.iteration_seconds(big) < slow.iteration_seconds(big) < 2 * truth.iteration_seconds(big)
+    with pytest.raises(ValueError, match="no grid measurements"):
+        profile.write_text(json.dumps({"kind": "profile", "coefficients": FORWARD}))
+        grid_measurements(profile)
+
+
+def test_from_trace_with_grid_through_the_cli(tmp_path: Path) -> None:
+    """`profile --from-trace T --with-grid G`: the grid's timed batches join the fit. A grid timed
+    10x slower than the traced machine pulls the fitted forward pass well above the trace's own."""
+    rng = np.random.default_rng(1)
+    trace, alone, mixed = tmp_path / "t.jsonl", tmp_path / "alone.json", tmp_path / "mixed.json"
+    _record(trace, [rng.integers(3, 500, size=int(n)).tolist() for n in rng.integers(4, 40, size=12)], 12)
+    slow = ProfileCostModel({**FORWARD, "base": 0.01}, LINK, 1280)
+    shapes = [BatchShape.from_lengths([], [128] * d) for d in (1, 2, 4, 8, 16)] + \
+        [BatchShape.from_lengths([(q, 0)], []) for q in (16, 64, 256)]
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"kind": "profile", "coefficients": slow.coefficients, "measurements": [
+        {**dataclasses.asdict(s), "seconds": slow.iteration_seconds(s)} for s in shapes]}))
+    base = [sys.executable, "-m", "tokenslice.cli", "--log-level", "WARNING", "profile", "--model", str(STORIES),
+            "--dtype", "float32", "--repeats", "1", "--from-trace", str(trace), "--no-match-total"]
+    for out, extra in ((alone, []), (mixed, ["--with-grid", str(grid)])):
+        done = subprocess.run([*base, "-o", str(out), *extra], capture_output=True, text=True, timeout=240,
+                              cwd=Path(__file__).parents[1])
+        assert done.returncode == 0, done.stderr
+    shape = BatchShape.from_lengths([], [128] * 4)
+    assert load_cost_model(str(mixed)).iteration_seconds(shape) > 2 * load_cost_model(str(alone)).iteration_seconds(shape)

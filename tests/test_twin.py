@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tokenslice.bench.metrics import RequestRecord
@@ -184,6 +186,7 @@ def test_serving_path_under_load_read_off_a_busy_trace() -> None:
     assert adm[0].out_s == pytest.approx(0.003) and adm[1].first_s == pytest.approx(0.004)
     path = path_under_load(adm)
     assert path.ingress_s == pytest.approx((0.001 + 0.002) / 2) and path.egress_s == pytest.approx(0.003)
+    assert [a.emitted for a in adm] == [2, 1] and path.egress_per_token_s == pytest.approx(0.0, abs=1e-9)
 
 
 def test_a_burst_reaches_the_engine_one_ingress_gap_apart() -> None:
@@ -209,3 +212,74 @@ def test_a_burst_reaches_the_engine_one_ingress_gap_apart() -> None:
         steps.append(StepRecord(k + 1, 50.0 + 0.002 * k, decode=[9] * n, sampled=n, running=n))
     steps[-1].finished = 7
     assert ingress_gap(steps) == pytest.approx((0.002 * 10) / 5)
+
+
+def test_egress_grows_with_the_tokens_each_step_streams() -> None:
+    cost = load_cost_model("opt-13b@a100-40gb")
+    wl = make_workload("synthetic-zipf", num_requests=40, rate=30.0, seed=3, max_len=200)
+    cfg = SchedulerConfig(policy="fcfs", max_batch_size=4)
+    engine, _ = simulate_run(cost, wl, cfg, kv_cache_blocks=4096)
+    base, per = 0.002, 0.0005
+    seen, _ = simulate_run(cost, wl, cfg, kv_cache_blocks=4096, path=ServingPath(egress_s=base, egress_per_token_s=per))
+    emitted = Counter(t for r in engine for t in r.token_times)  # the simulator's tokens of one step share a time
+    assert max(emitted.values()) > 1
+    by_id = {r.request_id: r for r in engine}
+    for r in seen:
+        e = by_id[r.request_id]
+        assert r.token_times == pytest.approx([t + base + per * emitted[t] for t in e.token_times])
+        assert r.ttft == pytest.approx(e.ttft + base + per * emitted[e.first_token_time])
+        assert r.finish_time == pytest.approx(r.token_times[-1])
+
+
+def test_egress_fit_recovers_a_known_line() -> None:
+    from tokenslice.bench.trace_compare import fit_egress
+
+    rng = np.random.default_rng(0)
+    emitted = rng.integers(1, 17, size=400)
+    out = 0.0015 + 0.0002 * emitted + rng.normal(0.0, 2e-5, size=400)
+    base, per = fit_egress(list(zip(emitted.tolist(), out.tolist(), strict=True)))
+    assert base == pytest.approx(0.0015, rel=0.05) and per == pytest.approx(0.0002, rel=0.05)
+    # A stalled delivery now and then leaves the slope alone and raises the line by its share of
+    # the mean: the clients' mean waited for it too.
+    out[::25] += 0.02
+    stalled, stalled_per = fit_egress(list(zip(emitted.tolist(), out.tolist(), strict=True)))
+    assert stalled_per == pytest.approx(per, rel=0.05) and stalled == pytest.approx(base + 0.02 / 25, rel=0.05)
+    assert fit_egress([(4, 0.003), (4, 0.001), (4, 0.002)]) == pytest.approx((0.002, 0.0))  # no spread in load
+
+
+def test_simulated_requests_can_carry_max_tokens_as_the_http_client_sends_it() -> None:
+    """srpt-predicted caps a prediction at max_tokens; over HTTP the load client sends max_tokens =
+    the output length, so the twin's simulator must too, or its policy ranks other jobs."""
+    from tokenslice.engine.engine import Engine
+
+    cost = load_cost_model("opt-13b@a100-40gb")
+    wl = make_workload("synthetic-zipf", num_requests=20, rate=30.0, seed=3, max_len=200)
+    cfg = SchedulerConfig(policy="srpt-predicted", max_batch_size=4)
+    demotions, finishes = [], []
+    for as_client in (False, True):
+        engine = Engine.simulated(cfg, cost, kv_cache_blocks=4096)
+        reqs = engine.replay(wl, max_tokens_is_output=as_client)
+        for w, r in zip(wl, reqs, strict=True):
+            assert r.num_output_tokens == w.output_len
+            assert (r.params.max_tokens == w.output_len) == as_client
+        demotions.append(engine.scheduler.policy.num_demotions)
+        finishes.append([r.metrics.finish_time for r in reqs])
+    # Capped at the true length, a prediction is doubled less often and the jobs run in another order.
+    assert demotions[1] < demotions[0] and finishes[1] != finishes[0]
+
+
+def test_a_chunked_prompt_streams_out_from_its_last_chunk() -> None:
+    from tokenslice.bench.client import ClientRecord
+    from tokenslice.bench.trace_compare import admissions
+    from tokenslice.engine.step_trace import StepRecord
+
+    # "c" is prefilled in two chunks (steps 1 and 2); step 2 samples its first token with 3 others.
+    steps = [StepRecord(1, 5.000, prefill=[[16, 0]], prefill_ids=["c"], decode=[9, 9], sampled=2, running=3,
+                        execute_s=0.001),
+             StepRecord(2, 5.002, prefill=[[8, 16]], prefill_ids=["c"], decode=[10, 10, 10], sampled=4, running=4,
+                        execute_s=0.001),
+             StepRecord(3, 5.004, decode=[25, 11, 11, 11], sampled=4, running=4, execute_s=0.001)]
+    rec = ClientRecord(request_id="c", arrival=0.0, first_token_time=0.0075)
+    (a,) = admissions([rec], 5.0, steps)
+    assert a.wait_s == pytest.approx(0.0) and a.first_s == pytest.approx(0.0075)  # from the first chunk's step
+    assert a.out_s == pytest.approx(0.0075 - 0.003) and a.emitted == 4  # from the step that computed the token

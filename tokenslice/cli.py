@@ -710,6 +710,10 @@ def add_simulation_subcommands(sub: Any) -> None:
     add_field_flag(p, ProfileOptions, "match_total", action=argparse.BooleanOptionalAction,
                    help="--from-trace: scale the fit so the traced steps add up to their wall time (the "
                    "engine's throughput, rare long stalls included); off: fit the typical step")
+    add_field_flag(p, ProfileOptions, "with_grid", metavar="PROFILE",
+                   help="--from-trace: fit the forward pass on this grid profile's timed batches too (a "
+                   "`tokenslice profile` JSON), as heavy in all as the traced steps: a short trace holds few "
+                   "large batches")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_profile)
 

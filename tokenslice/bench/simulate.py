@@ -259,7 +259,8 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                  block_groups: bool = CacheConfig.block_groups, state_recorder: StateRecorder | None = None,
                  path: ServingPath | None = None, step_trace: str | None = None,
-                 policy_cost: CostModel | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
+                 policy_cost: CostModel | None = None, max_tokens_is_output: bool = False
+                 ) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay a workload on the simulator: (per-request records, engine-wide counters). The host
     tier (swap modes only) defaults to HOST_KV_FACTOR x the device pool. With `length_predictor`, requests
     without a prediction get one first (predict_lengths). With `priority`, requests get priorities
@@ -268,7 +269,8 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     adds the serving path outside the engine (HTTP in and out, bench/serving_path.py): the records
     are then what a client would see. `step_trace` writes every simulated step as the real engine's
     --step-trace does (virtual-clock starts); it turns off fast-forward, which changes no result.
-    `policy_cost`: the cost model the policies see, when it is not the clock's."""
+    `policy_cost`: the cost model the policies see, when it is not the clock's. `max_tokens_is_output`:
+    requests carry max_tokens = their output length, as an HTTP load client sends (Engine.replay)."""
     from tokenslice.engine.engine import Engine  # the engine pulls in the scheduler stack: import on use
 
     check_fits(workload_requests, kv_cache_blocks, block_size)
@@ -291,7 +293,7 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     delays = path.ingress_delays(workload_requests) if not path.is_zero else None
     reqs = engine.replay(path.to_engine(workload_requests),
                          priority_updates=PriorityUpdates(priority) if priority is not None else None,
-                         on_advance=observe)
+                         on_advance=observe, max_tokens_is_output=max_tokens_is_output)
     engine.close()
     return path.to_client(records_from_requests(reqs), delays), engine_counters(engine)
 

@@ -24,6 +24,7 @@ from tokenslice.bench.client import ClientRecord
 from tokenslice.bench.metrics import RequestRecord
 from tokenslice.bench.serving_path import ServingPath
 from tokenslice.engine.step_trace import StepRecord
+from tokenslice.engine.trace_fit import l1_nnls
 
 # Step starts and client stamps come from two processes' clocks read at different moments:
 # allow this much disorder when matching a sent request to the step that ran it.
@@ -86,8 +87,9 @@ class Admission:
     """One request's way to its first token. `wait_s`: from the client's send to the start of the
     step that ran its first prompt chunk; `steps_before`: the steps that began in that time (each
     one it could have joined); `first_s`: from that step's start to the client reading the token
-    (comparable on both sides); `out_s`: from that step's end as the trace timed it (schedule +
-    execute + update; real traces only) to the token. `ingress_s`: bounds on when the engine got
+    (comparable on both sides); `out_s`: from the end, as the trace timed it (schedule + execute +
+    update; real traces only), of the step that computed the token (its prompt's last chunk) to
+    the client reading it; `emitted`: the tokens that step produced, all streamed out together. `ingress_s`: bounds on when the engine got
     it — the core reads its socket just before a step starts, so after the step before that one
     began (exact when that step had ended before the send: the core sat idle on its socket)."""
 
@@ -98,6 +100,7 @@ class Admission:
     out_s: float
     ingress_s: tuple[float, float]
     live: int  # requests live in the engine when it was sent (the step before's)
+    emitted: int = 0  # tokens produced by the step that computed its first token
 
 
 def _end(step: StepRecord) -> float:
@@ -110,9 +113,11 @@ def admissions(records: Sequence[RequestRecord], zero: float, steps: Sequence[St
     records' 0 (the run's wall start; 0.0 for the simulator), `engine_ids` maps a record's id to
     the engine's (the server's response id) where they differ."""
     first: dict[str, int] = {}
+    chunks: dict[str, list[int]] = {}
     for i, s in enumerate(steps):
         for rid in s.prefill_ids:
             first.setdefault(rid, i)
+            chunks.setdefault(rid, []).append(i)
     starts = [s.start for s in steps]
     out = []
     for rec in records:
@@ -126,8 +131,10 @@ def admissions(records: Sequence[RequestRecord], zero: float, steps: Sequence[St
         idle = prev is None or _end(prev) <= sent
         lo = wait if idle else max(0.0, prev.start - sent)
         live = 0 if prev is None else prev.running + prev.waiting + prev.preempted - prev.finished
+        # The prompt's last chunk before the token: a later prefill of it (recompute) came after.
+        last = steps[max(k for k in chunks[rid] if k == j or steps[k].start < token)]
         out.append(Admission(rec.request_id, wait, j - bisect.bisect_left(starts, sent, hi=j), token - step.start,
-                             token - _end(step), (min(lo, wait), wait), live))
+                             token - _end(last), (min(lo, wait), wait), live, last.sampled))
     return out
 
 
@@ -142,14 +149,36 @@ def admission_summary(adm: Sequence[Admission]) -> dict[str, Any]:
     return out
 
 
+def fit_egress(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """(egress_s, egress_per_token_s) of ServingPath from (tokens the step emitted, seconds from
+    its end to the client reading the token) per request, both non-negative: the slope of the
+    least-absolute-error line (a few stalled deliveries do not tilt it), the intercept through
+    the samples' mean (those stalls delay the clients' mean TTFT too, which the simulator is held
+    to); the mean alone when the steps all emitted alike."""
+    if not samples:
+        raise ValueError("no egress samples")
+    n = np.array([k for k, _ in samples], dtype=float)
+    y = np.array([max(0.0, t) for _, t in samples])
+    per = 0.0
+    if len(set(n.tolist())) >= 2:
+        per = float(l1_nnls(np.stack([np.ones_like(n), n], axis=1), y, np.ones_like(y))[1])
+    return max(0.0, float(np.mean(y - per * n))), per
+
+
+def egress_samples(adm: Sequence[Admission]) -> list[tuple[int, float]]:
+    """`fit_egress`'s input from a run's `admissions`."""
+    return [(a.emitted, a.out_s) for a in adm]
+
+
 def path_under_load(adm: Sequence[Admission]) -> ServingPath:
     """The serving path as a loaded server's requests met it (`admissions` of a real run): in,
-    the median of each request's ingress bounds' midpoint; out, the median from the end of the
-    step that computed the first token to the client reading it."""
+    the median of each request's ingress bounds' midpoint; out, `fit_egress` on the time from the
+    end of the step that computed the first token to the client reading it."""
     if not adm:
         raise ValueError("no request of the run could be followed through the step trace")
-    return ServingPath(float(np.median([(a.ingress_s[0] + a.ingress_s[1]) / 2 for a in adm])),
-                       float(max(0.0, np.median([a.out_s for a in adm]))))
+    egress, per_token = fit_egress(egress_samples(adm))
+    return ServingPath(float(np.median([(a.ingress_s[0] + a.ingress_s[1]) / 2 for a in adm])), egress,
+                       egress_per_token_s=per_token)
 
 
 def ingress_gap(steps: Sequence[StepRecord]) -> float:
@@ -169,4 +198,4 @@ def ingress_gap(steps: Sequence[StepRecord]) -> float:
 
 
 __all__ = ["steps_between", "step_periods", "trace_summary", "measure_path", "Admission", "admissions",
-           "admission_summary", "path_under_load", "ingress_gap", "CLOCK_SLACK_S"]
+           "admission_summary", "fit_egress", "egress_samples", "path_under_load", "ingress_gap", "CLOCK_SLACK_S"]

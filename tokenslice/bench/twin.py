@@ -35,8 +35,8 @@ from tokenslice.bench.metrics import RequestRecord, percentile, summarize
 from tokenslice.bench.serving_path import ServingPath
 from tokenslice.bench.simulate import SIMULATE_MAX_BATCH_SIZE, ample_kv_blocks, simulate_run
 from tokenslice.bench.sweep import ServerProcess, ServerSpec, warm_up
-from tokenslice.bench.trace_compare import admission_summary, admissions, measure_path, path_under_load, \
-    steps_between, trace_summary
+from tokenslice.bench.trace_compare import admission_summary, admissions, egress_samples, measure_path, \
+    path_under_load, steps_between, trace_summary
 from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload
 from tokenslice.config import CacheConfig, ModelConfig, SchedulerConfig, field_from
 from tokenslice.engine.step_trace import load_step_trace
@@ -95,6 +95,7 @@ class TwinSpec:
     ingress_s: float | None = None
     egress_s: float | None = None
     ingress_gap_s: float = 0.0  # with them: the API server's time per request (ServingPath)
+    egress_per_token_s: float = 0.0  # with them: egress per token its step emitted (ServingPath)
     warmup_requests: int = 8
 
     def validate(self) -> None:
@@ -140,10 +141,12 @@ class TwinSpec:
 ProgressFn = Callable[[str], None]
 
 
-def profile_in_child(spec: TwinSpec, out: Path, max_context: int, from_trace: Sequence[Path] = ()) -> None:
+def profile_in_child(spec: TwinSpec, out: Path, max_context: int, from_trace: Sequence[Path] = (),
+                     with_grid: str | None = None) -> None:
     """`tokenslice profile` for the served model, in a child process with the server's threads,
     up to the longest context the trace reaches; with `from_trace`, fitted on those step traces
-    of the served model instead (`profile --from-trace`)."""
+    of the served model instead (`profile --from-trace`), and `with_grid`, on that grid profile's
+    timed batches too."""
     env = dict(os.environ)
     if spec.server_threads is not None:
         env["OMP_NUM_THREADS"] = str(spec.server_threads)
@@ -152,6 +155,8 @@ def profile_in_child(spec: TwinSpec, out: Path, max_context: int, from_trace: Se
            "--out", str(out), "--quiet"]
     if from_trace:
         cmd += ["--block-size", str(spec.block_size), "--from-trace", *map(str, from_trace)]
+        if with_grid:
+            cmd += ["--with-grid", with_grid]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"tokenslice profile failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -255,7 +260,7 @@ def _simulate_point(spec: TwinSpec, policy: str, costs: tuple[CostModel, CostMod
         out.unlink(missing_ok=True)
     records, _ = simulate_run(costs[0], trace, spec.scheduler_config(policy, slo), kv_blocks, spec.block_size,
                               4 * kv_blocks, path=path, step_trace=None if out is None else str(out),
-                              policy_cost=costs[1])
+                              policy_cost=costs[1], max_tokens_is_output=True)  # as the client sends it
     return records
 
 
@@ -300,7 +305,7 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
                 if not spec.serving_path:
                     path = ServingPath()
                 elif spec.ingress_s is not None and spec.egress_s is not None:
-                    path = ServingPath(spec.ingress_s, spec.egress_s, spec.ingress_gap_s)
+                    path = ServingPath(spec.ingress_s, spec.egress_s, spec.ingress_gap_s, spec.egress_per_token_s)
                 else:
                     path = probe_path(side) if has_steps else ServingPath()
                 paths[policy] = dataclasses.asdict(path)
@@ -343,7 +348,9 @@ def run_twin(spec: TwinSpec, progress: ProgressFn | None = None, cache: DatasetC
                         "admission": {"real": admission_summary(real_adm),
                                       "sim": admission_summary(admissions(sim_records, 0.0, sim_steps)),
                                       "path_under_load": dataclasses.asdict(path_under_load(real_adm))
-                                      if real_adm else None}}
+                                      if real_adm else None,
+                                      # (tokens the step emitted, its end to the client's token): fit_egress
+                                      "egress_samples": egress_samples(real_adm)}}
             finally:
                 side.stop()
         return {"tool": "twin", "model": spec.model, "profile": profile if spec.profile else cost.name,
@@ -370,7 +377,8 @@ def format_twin(result: Mapping[str, Any]) -> str:
         for policy, data in point["policies"].items():
             path = data["serving_path"]
             lines.append(f"\n{policy}, {label} ({point['rate']:.3g} req/s); serving path in "
-                         f"{1e3 * path['ingress_s']:.2f} ms, out {1e3 * path['egress_s']:.2f} ms")
+                         f"{1e3 * path['ingress_s']:.2f} ms, out {1e3 * path['egress_s']:.2f} ms "
+                         f"+ {1e6 * path.get('egress_per_token_s', 0.0):.1f} us per token streamed")
             lines.append(f"  {'metric':36} {'real':>10} {'spread':>8} {'simulated':>10} {'error':>8}")
             for key, name in TWIN_METRICS:
                 m = data["metrics"][key]
@@ -388,7 +396,8 @@ def format_twin(result: Mapping[str, Any]) -> str:
                 if adm.get("path_under_load"):
                     under = adm["path_under_load"]
                     lines.append(f"  serving path under this load (real): in {1e3 * under['ingress_s']:.2f} ms, "
-                                 f"out {1e3 * under['egress_s']:.2f} ms")
+                                 f"out {1e3 * under['egress_s']:.2f} ms + "
+                                 f"{1e6 * under['egress_per_token_s']:.1f} us per token streamed")
     return "\n".join(lines)
 
 

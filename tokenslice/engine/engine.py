@@ -559,10 +559,14 @@ class Engine:
 
     def replay(self, trace: list[TraceItem], *, on_finish: Any = None,
                priority_updates: PriorityUpdates | None = None,
-               on_advance: Callable[[float], None] | None = None) -> list[Request]:
+               on_advance: Callable[[float], None] | None = None, max_tokens_is_output: bool = False
+               ) -> list[Request]:
         """Run a workload trace: each request arrives at its time (clock-relative to the start)
         and generates exactly its output length, then stops as at an EOS (`Request.eos_after`);
         max_tokens is the context left, as a client that does not know the answer's length sends.
+        With `max_tokens_is_output`, max_tokens is the output length instead, as a load client
+        forcing lengths over HTTP sends it (bench/client.py); the policies that read it (a
+        prediction is capped at max_tokens) then see what the real server saw.
         Returns the requests, finished, in trace order.
 
         On a VirtualClock idle gaps are skipped; on a real clock the loop sleeps until the next
@@ -591,8 +595,8 @@ class Engine:
                 item = items[i]
                 real = getattr(item, "prompt_token_ids", None)
                 ids = real or [0] * max(1, item.prompt_len)
-                params = SamplingParams(max_tokens=max(1, self.max_model_len - len(ids)), temperature=0.0,
-                                        ignore_eos=True)
+                cap = item.output_len if max_tokens_is_output else self.max_model_len - len(ids)
+                params = SamplingParams(max_tokens=max(1, cap), temperature=0.0, ignore_eos=True)
                 if priority_updates is not None:
                     priority = priority_updates.initial(item)
                 else:

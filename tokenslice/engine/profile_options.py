@@ -32,6 +32,8 @@ class ProfileOptions:
     # Fitting on step traces: scale the fit so the traced steps add up to their wall time (the
     # engine's throughput, stalls included); off: the typical step.
     match_total: bool = True
+    # Fitting on step traces: a grid profile (JSON) whose timed batches join the forward fit.
+    with_grid: str | None = None
 
 
 __all__ = ["PROFILE_MAX_BATCH_SIZE", "ProfileOptions"]

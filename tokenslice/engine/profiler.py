@@ -32,7 +32,7 @@ import torch
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenslice.engine.profile_options import ProfileOptions
 from tokenslice.engine.step_trace import load_step_trace
-from tokenslice.engine.trace_fit import fit_steps, traced_steps
+from tokenslice.engine.trace_fit import fit_steps, grid_measurements, traced_steps
 from tokenslice.exec.sim import SimulatedExecutor
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import SeqSlice, StepPlan
@@ -469,13 +469,14 @@ def profile_from_traces(opts: ProfileOptions, traces: Sequence[str | Path]) -> P
     device = resolve_device(opts.device)
     block = host_block_bytes(arch, opts.block_size, resolve_dtype(opts.dtype, arch, device))
     steps = [s for path in traces for s in traced_steps(load_step_trace(path))]
+    grid = grid_measurements(opts.with_grid) if opts.with_grid else []
     try:
         transfer = fit_transfer(measure_transfer(block, device, repeats=opts.repeats))
     except ValueError:  # timer noise swamped the copies
         transfer = TransferSpec(25e9, 10e-6)
     return fit_steps(steps, kv_bytes_per_token=block // opts.block_size, block_bytes=block, transfer=transfer,
                      model=Path(opts.model).name or opts.model, device=device_name(device),
-                     tensor_parallel=opts.tensor_parallel_size, match_total=opts.match_total)
+                     tensor_parallel=opts.tensor_parallel_size, match_total=opts.match_total, grid=grid)
 
 
 def describe(report: ProfileReport) -> str:

@@ -7,7 +7,9 @@ the live requests the policy ranks every step, the tokens the step emits and the
 arrive between two steps (ALISE §3.1 models only the forward pass; Vidur §4 adds the CPU overheads
 separately, as here). So the fit has three parts, each on what the trace measured directly:
 
-- forward: `PROFILE_FEATURES` of the batch on `step_seconds - transfer_seconds`;
+- forward: `PROFILE_FEATURES` of the batch on `step_seconds - transfer_seconds`, optionally with
+  a grid profile's timed batches beside them (a short trace holds few large batches, and a fit
+  on small ones alone can put too much on each sequence: it then runs the large ones slow);
 - copies: `fit_transfer` on the synchronous swaps' bytes, copy runs and `transfer_seconds`;
 - loop: `LOOP_FEATURES` on wall time minus `step_seconds`.
 
@@ -20,8 +22,9 @@ waiting for the next request.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -99,9 +102,12 @@ def _relative_fit(a: np.ndarray, y: np.ndarray, wall: np.ndarray) -> np.ndarray:
 
 def fit_steps(steps: Sequence[TracedStep], *, kv_bytes_per_token: int, block_bytes: int,
               transfer: TransferSpec, model: str = "unknown", device: str = "unknown",
-              tensor_parallel: int = 1, match_total: bool = True) -> ProfileCostModel:
+              tensor_parallel: int = 1, match_total: bool = True,
+              grid: Sequence[tuple[BatchShape, float]] = ()) -> ProfileCostModel:
     """A profile fitted on traced steps (module doc). `transfer` is used when the steps hold too
-    few synchronous copies to fit the link on; `block_bytes` is one KV block as copied.
+    few synchronous copies to fit the link on; `block_bytes` is one KV block as copied. `grid`:
+    (batch, forward seconds) timed by `tokenslice profile`, fitted with the traced forward passes,
+    weighted to count as much in all as they do.
 
     The fits predict the typical step. With `match_total`, forward and loop terms are then scaled
     together so that the timed steps add up to their measured wall time: the stalls a busy machine
@@ -111,7 +117,15 @@ def fit_steps(steps: Sequence[TracedStep], *, kv_bytes_per_token: int, block_byt
     if len(fwd) < len(PROFILE_FEATURES):
         raise ValueError(f"traces hold {len(fwd)} steps with a batch; the fit needs at least {len(PROFILE_FEATURES)}")
     y = np.array([s.forward_seconds for s in fwd])
-    coef = _relative_fit(np.array([profile_features(s.shape) for s in fwd]), y, y)
+    a = np.array([profile_features(s.shape) for s in fwd])
+    weights = 1.0 / np.maximum(y, 1e-9)
+    timed_grid = [(shape, t) for shape, t in grid if t > 0]
+    if timed_grid:
+        yg = np.array([t for _, t in timed_grid])
+        wg = len(fwd) / len(timed_grid) / yg  # relative error, the grid as a whole as heavy as the trace
+        a = np.vstack([a, np.array([profile_features(shape) for shape, _ in timed_grid])])
+        y, weights = np.concatenate([y, yg]), np.concatenate([weights, wg])
+    coef = l1_nnls(a, y, weights)
 
     copies = [(s.copy_blocks * block_bytes, s.copy_runs, s.transfer_seconds) for s in steps
               if s.copy_blocks and s.transfer_seconds > 0]
@@ -141,6 +155,15 @@ def fit_steps(steps: Sequence[TracedStep], *, kv_bytes_per_token: int, block_byt
         if predicted > 0:
             cost = profile((float(wall.sum()) - copies_s) / predicted)
     return cost
+
+
+def grid_measurements(path: str | Path) -> list[tuple[BatchShape, float]]:
+    """The timed batches a `tokenslice profile` JSON keeps beside its fit, for `fit_steps`'s grid."""
+    data = json.loads(Path(path).read_text())
+    if not data.get("measurements"):
+        raise ValueError(f"{path} holds no grid measurements (a profile written by `tokenslice profile`)")
+    names = {f.name for f in fields(BatchShape)}
+    return [(BatchShape(**{k: v for k, v in m.items() if k in names}), float(m["seconds"])) for m in data["measurements"]]
 
 
 def _copy_seconds(cost: CostModel, step: TracedStep, block_bytes: int) -> float:
@@ -206,5 +229,5 @@ def describe_errors(errors: dict[str, ErrorStats]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["STEP_KINDS", "TracedStep", "traced_steps", "l1_nnls", "fit_steps", "predicted_wall_seconds",
+__all__ = ["STEP_KINDS", "TracedStep", "traced_steps", "l1_nnls", "fit_steps", "grid_measurements", "predicted_wall_seconds",
            "ErrorStats", "evaluate_steps", "evaluate_trace", "describe_errors"]
