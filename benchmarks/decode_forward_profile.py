@@ -2,7 +2,8 @@
 one torch thread (as the engine core runs): torch.profiler per op class, against the floor of
 reading every weight once per step, plus the eager step time (forward + head + greedy argmax)
 with the linears on MKL alone and with oneDNN's packed weights for multi-row steps (as loaded),
-alternating round by round so that machine drift hits both alike. Step times are this thread's
+alternating round by round so that machine drift hits both alike, and the same step compiled
+(model/compiled_decode.py, as `serve` runs it by default; its own call adds the step's metadata). Step times are this thread's
 CPU time (one torch thread does all the work), which a loaded machine disturbs far less than wall
 time; the profiler's self times carry its own overhead.
 
@@ -30,6 +31,7 @@ from llama24m import build_llama24m  # noqa: E402
 
 from tokenslice.config import ModelConfig  # noqa: E402
 from tokenslice.model.attention import step_metadata  # noqa: E402
+from tokenslice.model.compiled_decode import CompiledDecode  # noqa: E402
 from tokenslice.model.input_batch import DecodeInputs  # noqa: E402
 from tokenslice.model.layers import InputMajorLinear  # noqa: E402
 from tokenslice.model.loader import load_model  # noqa: E402
@@ -112,6 +114,14 @@ def main() -> None:
                         step()
                         times[on].append(time.thread_time() - t0)
             use_packed(any(p is not None for p in packed))
+            compiled = CompiledDecode(model, kv, BLOCK, torch.device("cpu"), batch, a.ctx + 1)
+            for _ in range(5):
+                compiled.logits(dec).argmax(-1)
+            compiled_times = []
+            for _ in range(a.steps):
+                t0 = time.thread_time()
+                compiled.logits(dec).argmax(-1)
+                compiled_times.append(time.thread_time() - t0)
             n_prof = 50
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                         record_shapes=True) as prof:
@@ -124,7 +134,8 @@ def main() -> None:
         mkl_ms, step_ms = (1e3 * statistics.median(times[on]) for on in (False, True))
         floor_ms = 1e3 * weight_bytes / 20e9  # one core's ~20 GB/s streaming read
         print(f"\nbatch {batch}: step {step_ms:.2f} CPU ms median ({batch / step_ms * 1e3:.0f} tok/s; "
-              f"MKL alone {mkl_ms:.2f} ms), profiled self time {total:.2f} ms/step (profiler overhead "
+              f"MKL alone {mkl_ms:.2f} ms; compiled decode {1e3 * statistics.median(compiled_times):.2f} ms), "
+              f"profiled self time {total:.2f} ms/step (profiler overhead "
               f"included); weights {weight_bytes / 1e6:.0f} MB "
               f"(floor ~{floor_ms:.1f} ms at 20 GB/s), {2 * weight_bytes / 4 * batch / 1e6:.0f} MFLOP")
         print(f"{'op class':24s} {'ms/step':>8s} {'share':>6s}")

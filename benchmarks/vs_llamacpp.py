@@ -14,8 +14,8 @@ What it does, in order:
      it reports the token and the top-2 logprob gap there (a near-tie can flip under another
      kernel's summation order);
   4. runs, with `tokenslice bench --url` against each server in turn (llama-server, then
-     `tokenslice serve --policy fcfs`, then skip-join-mlfq, then skip-join-mlfq with --compile;
-     fp32, max batch 16), the
+     `tokenslice serve --policy fcfs`, then skip-join-mlfq, both at serve's defaults (compiled
+     decode), then skip-join-mlfq with --no-compile (eager); fp32, max batch 16), the
      synthetic-lognormal workload (mean 64 prompt / 128 output tokens, lengths capped at
      --max-len, greedy, ignore_eos): 1 stream and 16 concurrent tok/s; mean normalized latency
      at two Poisson rates; mean and p99 TTFT under CV-4 bursts at rho = 0.8 of tokenslice fcfs's
@@ -128,7 +128,7 @@ class LlamaServer(ServerProcess):
 
 
 def tokenslice_server(model: Path, column: str, ctx: int) -> ServerProcess:
-    """A column is a policy, optionally with `+compile` (the same server with `--compile`)."""
+    """A column is a policy, optionally with `+FLAG` (the same server with `--FLAG`)."""
     policy, _, extra = column.partition("+")
     args = ["--dtype", "float32", "--max-batch-size", str(SLOTS), "--max-model-len", str(ctx)]
     args += [f"--{extra}"] if extra else []
@@ -231,8 +231,8 @@ def main() -> None:
     ap.add_argument("--models", default="stories260k,24m")
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--max-len", type=int, default=192, help="cap on prompt and on output lengths")
-    ap.add_argument("--policies", default="fcfs,skip-join-mlfq,skip-join-mlfq+compile",
-                    help="tokenslice columns: policies, `+compile` for the same with --compile")
+    ap.add_argument("--policies", default="fcfs,skip-join-mlfq,skip-join-mlfq+no-compile",
+                    help="tokenslice columns: policies at serve's defaults (compiled decode), `+FLAG` adds --FLAG")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "tokenslice-bench"))
     ap.add_argument("--check-only", action="store_true", help="build, convert, check greedy equality; no table")
     ap.add_argument("--out", default=None)

@@ -136,30 +136,25 @@ def _decode_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
 
 def traced_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                             meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Decode attention for torch.compile's graphs: each row's query over its context already in
-    the pool (keys before its position, gathered through the slots) plus its own new key. Nothing
-    is written to the pool, so the graph has no mutation and stays whole (the caller writes
-    meta.new_kv after the step). One row runs as two small matmuls, several through SDPA: the
-    faster of each on the CPUs measured (BENCHMARKS.md, "Decode forward")."""
+    """Decode attention for torch.compile's graphs: each row's context gathered from the pool
+    through its slots, with the row's new K/V put in place of the stale slot at its position.
+    Nothing is written to the pool, so the graph has no mutation and stays whole (the caller
+    writes meta.new_kv after the step). One row runs as two small matmuls, several through SDPA:
+    the faster of each on the CPUs measured (BENCHMARKS.md, "Decode forward")."""
     assert meta.new_kv is not None and meta.dec_slots is not None
     meta.new_kv.append(torch.stack([k, v]))
     d, kvh, hd = k.shape
-    g, keys = q.shape[1] // kvh, meta.dec_slots.shape[1]
-    k_ctx = kv_layer[0].view(-1, kvh, hd)[meta.dec_slots]  # [D, L, KVH, hd]
-    v_ctx = kv_layer[1].view(-1, kvh, hd)[meta.dec_slots]
-    kpos = torch.arange(keys + 1)
-    # The slot at a row's own position is stale (its new K/V is not written yet): key L stands in.
-    visible = (kpos < meta.positions[:, None]) | (kpos == keys)  # [D, L + 1]
+    g = q.shape[1] // kvh
+    rows = torch.arange(d)
+    k_ctx = kv_layer[0].view(-1, kvh, hd)[meta.dec_slots].index_put((rows, meta.positions), k)  # [D, L, KVH, hd]
+    v_ctx = kv_layer[1].view(-1, kvh, hd)[meta.dec_slots].index_put((rows, meta.positions), v)
+    visible = torch.arange(meta.dec_slots.shape[1]) <= meta.positions[:, None]  # [D, L]
     if d == 1:
-        qg = q.view(kvh, g, hd) * scale
-        k_all = torch.cat([k_ctx[0], k], 0).transpose(0, 1)  # [KVH, L + 1, hd]
-        v_all = torch.cat([v_ctx[0], v], 0).transpose(0, 1)
-        scores = torch.matmul(qg, k_all.transpose(1, 2)).masked_fill(~visible, float("-inf"))
-        return torch.matmul(torch.softmax(scores, -1), v_all).reshape(1, kvh * g, hd)
-    k_all = torch.cat([k_ctx, k.unsqueeze(1)], 1).transpose(1, 2)  # [D, KVH, L + 1, hd]
-    v_all = torch.cat([v_ctx, v.unsqueeze(1)], 1).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k_all, v_all, attn_mask=visible[:, None, None, :],
-                                       scale=scale, enable_gqa=g != 1)
+        scores = torch.matmul(q.view(kvh, g, hd) * scale, k_ctx[0].permute(1, 2, 0))  # [KVH, G, L]
+        out = torch.matmul(torch.softmax(scores.masked_fill(~visible, float("-inf")), -1), v_ctx[0].transpose(0, 1))
+        return out.reshape(1, kvh * g, hd)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+                                       attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=g != 1)
     return o.squeeze(2)
 
 
