@@ -56,8 +56,8 @@ def main() -> None:
               "full": s_full, "int8": s_q, "machine": machine_line(), "code": code_version()}
     write_json("kv_int8_offload.json", result)
     log(f"requests swapped: full {s_full['swapped_requests']}, int8 {s_q['swapped_requests']} of {N}")
-    print(f"| offload | swapped requests | swap-out bytes | token match vs full | requests identical |")
-    print(f"|---|---|---|---|---|")
+    print("| offload | swapped requests | swap-out bytes | token match vs full | requests identical |")
+    print("|---|---|---|---|---|")
     print(f"| fp32 | {s_full['swapped_requests']} | {s_full['swap_out_bytes']:,} | - | - |")
     print(f"| int8 | {s_q['swapped_requests']} | {s_q['swap_out_bytes']:,} | {same_tokens / total:.1%} "
           f"| {same_requests / N:.1%} |")

@@ -92,7 +92,7 @@ def report(data: dict[str, Any]) -> None:
             rows.append(row)
     print(md_table(["cell", "ample"] + variants[1:], rows))
     print()
-    print(md_table(["mode", f"worst ratio to ample", f"<= {BOUND}x"],
+    print(md_table(["mode", "worst ratio to ample", f"<= {BOUND}x"],
                    [[v, f"{worst[v]:.2f}x", "PASS" if worst[v] <= BOUND else "MISS"] for v in variants[1:]]))
 
 

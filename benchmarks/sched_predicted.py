@@ -42,7 +42,6 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
