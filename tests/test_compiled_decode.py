@@ -61,6 +61,17 @@ def test_cpu_compiles_at_start_up_only():
         assert counters["frames"]["ok"] == frames
 
 
+def test_packed_linear_models_compile_only_one_row_steps():
+    """builtin:tiny's fused MLP weight is oneDNN-packed: its multi-row steps run eager."""
+    def run(compile: bool) -> tuple[list[list[int]], object]:
+        with LLM("builtin:tiny", max_batch_size=2, kv_cache_blocks=16, compile=compile, device="cpu") as llm:
+            tokens = [o.token_ids for o in llm.generate([[1, 45, 30, 17], [1, 9, 88, 250], [5, 6, 7, 8, 9]], SP)]
+            return tokens, llm.engine.executor.runner.compiled
+    tokens, compiled = run(True)
+    assert compiled is not None and compiled.multi_row is False
+    assert tokens == run(False)[0]
+
+
 def _served_texts(*flags: str) -> list[str]:
     args = build_parser().parse_args(["serve", "--model", str(STORIES), "--dtype", "float32",
                                       "--max-batch-size", "4", "--kv-cache-blocks", "64", *flags])

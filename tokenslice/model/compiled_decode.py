@@ -2,9 +2,10 @@
 op-by-op eager PyTorch, whose per-operator dispatch dominates small models' steps.
 
 - CPU: torch.compile (inductor's C++/OpenMP kernels), two graphs compiled at start-up: one for
-  a batch of 1, one for any larger batch (the row count a dynamic dimension). The context length
-  reaches only the opaque attention operator, so it is dynamic in both: no shape met later
-  compiles again, and no row or key is padded beyond whole blocks. (Static shapes per bucket
+  a batch of 1, one for any larger batch (the row count a dynamic dimension; not for models
+  whose linears are oneDNN-packed, whose multi-row steps run faster eager). The context length
+  is dynamic in both: no shape met later compiles again, and no row or key is padded beyond
+  whole blocks. (Static shapes per bucket
   compiled again at every new context bucket: seconds mid-stream, and 4x slower steps behind
   serve on average. A batch dimension of size 1 would be specialized, hence its own graph.)
 - CUDA: one CUDA graph per bucket, captured at start-up and replayed with the step's inputs
@@ -14,9 +15,9 @@ op-by-op eager PyTorch, whose per-operator dispatch dominates small models' step
   bucket runs eager.
 
 Neither the compiler nor a graph may copy the KV pool. On CPU the graph only reads it: attention
-(attention.traced_decode_attention) reads each row's context through its slots, fused into
-inductor's kernels, plus the row's own new K/V, which the graph returns and one index_copy_ then
-writes for all layers. A CUDA graph keeps the write and attention in one opaque operator
+(attention.traced_decode_attention) gathers each row's context through its slots, with the row's
+own new K/V in place of its stale slot; the graph returns the new K/V and one index_copy_ then
+writes them for all layers. A CUDA graph keeps the write and attention in one opaque operator
 (attention.decode_attention). Mixed steps (prefill rows) always run eager.
 """
 from __future__ import annotations
@@ -64,15 +65,20 @@ class CompiledDecode:
                  max_batch_size: int, max_model_len: int) -> None:
         self.model, self.kv, self.block_size, self.device = model, kv, block_size, device
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.multi_row = True  # a graph for steps of several rows as well
         self.batch_buckets = buckets(max_batch_size)
         self.ctx_buckets = buckets(max_model_len, block_size)
         if device.type == "cuda":
             self._capture_all()
         else:
+            # Multi-row steps stay eager where oneDNN's packed linears serve them (layers.py): with
+            # those GEMMs and eager SDPA the 24M Llama served 16 streams 10-20% faster than
+            # compiled (BENCHMARKS.md, "Compiled decode"); one row is faster compiled everywhere.
+            self.multi_row = not any(getattr(m, "packed", None) is not None for m in model.modules())
             log.info("compiling decode steps (torch.compile, at start-up only; --no-compile skips it)")
             t0 = time.perf_counter()
             # dynamic=False: only the dimensions _warm_up marks are dynamic.
-            self._warm_up(torch.compile(self._traced, dynamic=False), max_batch_size)
+            self._warm_up(torch.compile(self._traced, dynamic=False), max_batch_size if self.multi_row else 1)
             log.info("decode steps compiled in %.1f s", time.perf_counter() - t0)
             # From here on only those graphs run: a step they do not take runs eager instead of
             # compiling mid-stream, and no step pays for marking dimensions again.
@@ -87,6 +93,8 @@ class CompiledDecode:
     def logits(self, dec: DecodeInputs) -> torch.Tensor | None:
         """[D, vocab] logits of a decode-only step, or None where no compiled shape fits it."""
         if self.device.type != "cuda":
+            if len(dec.positions) > 1 and not self.multi_row:
+                return None
             ids, positions, slots, dec_slots = self._inputs(dec)
             logits, new_kv = self._fn(ids, positions, dec_slots, self.kv)
             layers, _, blocks, bs, kvh, hd = self.kv.shape

@@ -88,18 +88,6 @@ PACK_MIN_WEIGHTS = 1 << 16  # a 256 x 256 weight; the 24M model's smallest is 51
 PACKED_LINEARS_MAX_BYTES = 1 << 30  # the packed copies double the linears' memory: small models only
 
 
-@torch.library.custom_op("tokenslice::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """oneDNN's linear on a packed weight, opaque to torch.compile (inductor cannot lower it with a
-    dynamic row count)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-@packed_linear.register_fake
-def _packed_linear_shape(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], packed.shape[0])
-
-
 class InputMajorLinear(nn.Module):
     """A Linear whose weight is stored transposed, [in, out] contiguous. On CPU, MKL's GEMM reads
     that layout much faster when few rows multiply it (decode): measured here on a model-sized set
@@ -121,9 +109,8 @@ class InputMajorLinear(nn.Module):
         self.packed = (torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 16) if packed else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.numel() > self.in_features:
-            if torch.compiler.is_compiling():  # traced, multi-row graph (compiled decode)
-                return packed_linear(x, self.packed, self.bias)
+        # Traced code (compiled decode) sees only the plain GEMM.
+        if self.packed is not None and x.numel() > self.in_features and not torch.compiler.is_compiling():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
             return x @ self.weight_t
