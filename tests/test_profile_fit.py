@@ -207,22 +207,26 @@ def test_grid_batches_join_the_forward_fit(tmp_path: Path) -> None:
 
 
 def test_from_trace_with_grid_through_the_cli(tmp_path: Path) -> None:
-    """`profile --from-trace T --with-grid G`: the grid's timed batches join the fit. A grid timed
-    10x slower than the traced machine pulls the fitted forward pass well above the trace's own."""
+    """`profile --from-trace T --with-grid G`: the grid's timed batches join the fit. A grid of
+    batches larger than any traced, timed 10x what the trace alone predicts for them (relative to
+    this machine's own trace, so its load does not matter), pulls the fit up there."""
     rng = np.random.default_rng(1)
     trace, alone, mixed = tmp_path / "t.jsonl", tmp_path / "alone.json", tmp_path / "mixed.json"
     _record(trace, [rng.integers(3, 500, size=int(n)).tolist() for n in rng.integers(4, 40, size=12)], 12)
-    slow = ProfileCostModel({**FORWARD, "base": 0.01}, LINK, 1280)
-    shapes = [BatchShape.from_lengths([], [128] * d) for d in (1, 2, 4, 8, 16)] + \
-        [BatchShape.from_lengths([(q, 0)], []) for q in (16, 64, 256)]
-    grid = tmp_path / "grid.json"
-    grid.write_text(json.dumps({"kind": "profile", "coefficients": slow.coefficients, "measurements": [
-        {**dataclasses.asdict(s), "seconds": slow.iteration_seconds(s)} for s in shapes]}))
     base = [sys.executable, "-m", "tokenslice.cli", "--log-level", "WARNING", "profile", "--model", str(STORIES),
             "--dtype", "float32", "--repeats", "1", "--from-trace", str(trace), "--no-match-total"]
-    for out, extra in ((alone, []), (mixed, ["--with-grid", str(grid)])):
+
+    def fit(out: Path, *extra: str) -> ProfileCostModel:
         done = subprocess.run([*base, "-o", str(out), *extra], capture_output=True, text=True, timeout=240,
                               cwd=Path(__file__).parents[1])
         assert done.returncode == 0, done.stderr
-    shape = BatchShape.from_lengths([], [128] * 4)
-    assert load_cost_model(str(mixed)).iteration_seconds(shape) > 2 * load_cost_model(str(alone)).iteration_seconds(shape)
+        return load_cost_model(str(out))
+
+    traced_only = fit(alone)
+    shapes = [BatchShape.from_lengths([], [128] * d) for d in (32, 48, 64)] + \
+        [BatchShape.from_lengths([(q, 0)], []) for q in (512, 1024)]
+    grid = tmp_path / "grid.json"
+    grid.write_text(json.dumps({"kind": "profile", "coefficients": traced_only.coefficients, "measurements": [
+        {**dataclasses.asdict(s), "seconds": 10 * traced_only.iteration_seconds(s)} for s in shapes]}))
+    big = BatchShape.from_lengths([], [128] * 48)
+    assert fit(mixed, "--with-grid", str(grid)).iteration_seconds(big) > 2 * traced_only.iteration_seconds(big)
