@@ -64,8 +64,8 @@ def _free_port() -> int:
 def test_serve_binds_api_server_and_core_to_disjoint_cpus() -> None:
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tokenslice.cli", "--log-level", "WARNING", "serve", "--model",
-                             "builtin:tiny", "--port", str(port), "--kv-cache-blocks", "32", "--pin-cpus", "--no-compile"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "builtin:tiny", "--port", str(port), "--kv-cache-blocks", "32", "--pin-cpus",
+                             "--no-compile"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + DEADLINE_S
         while True:

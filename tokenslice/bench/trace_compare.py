@@ -89,9 +89,10 @@ class Admission:
     one it could have joined); `first_s`: from that step's start to the client reading the token
     (comparable on both sides); `out_s`: from the end, as the trace timed it (schedule + execute +
     update; real traces only), of the step that computed the token (its prompt's last chunk) to
-    the client reading it; `emitted`: the tokens that step produced, all streamed out together. `ingress_s`: bounds on when the engine got
-    it — the core reads its socket just before a step starts, so after the step before that one
-    began (exact when that step had ended before the send: the core sat idle on its socket)."""
+    the client reading it; `emitted`: the tokens that step produced, all streamed out together.
+    `ingress_s`: bounds on when the engine got it — the core reads its socket just before a step
+    starts, so after the step before that one began (exact when that step had ended before the
+    send: the core sat idle on its socket)."""
 
     request_id: str
     wait_s: float

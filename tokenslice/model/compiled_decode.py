@@ -32,8 +32,10 @@ from torch import nn
 
 from tokenslice.model.attention import AttentionMetadata, step_metadata
 from tokenslice.model.input_batch import DecodeInputs
+from tokenslice.model.layers import InputMajorLinear
 
 log = logging.getLogger("tokenslice.model.compiled_decode")
+
 
 def buckets(limit: int, start: int = 1) -> list[int]:
     """Powers of two from `start` up to the first one covering `limit`."""
@@ -74,7 +76,7 @@ class CompiledDecode:
             # Multi-row steps stay eager where oneDNN's packed linears serve them (layers.py): with
             # those GEMMs and eager SDPA the 24M Llama served 16 streams 10-20% faster than
             # compiled (BENCHMARKS.md, "Compiled decode"); one row is faster compiled everywhere.
-            self.multi_row = not any(getattr(m, "packed", None) is not None for m in model.modules())
+            self.multi_row = not any(isinstance(m, InputMajorLinear) and m.packed is not None for m in model.modules())
             log.info("compiling decode steps (torch.compile, at start-up only; --no-compile skips it)")
             t0 = time.perf_counter()
             # dynamic=False: only the dimensions _warm_up marks are dynamic.
