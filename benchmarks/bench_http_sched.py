@@ -50,8 +50,8 @@ def make_profile(path: Path) -> float:
     """`tokenslice profile` for this machine, one thread (the servers run with one too)."""
     import torch
 
-    from tokenslice.engine.profile_options import ProfileOptions
-    from tokenslice.engine.profiler import run_profile
+    from tokenslice.sim.profile_options import ProfileOptions
+    from tokenslice.sim.profiler import run_profile
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()

@@ -18,13 +18,13 @@ Protocol, fixed before any run:
   filter; the predictors are built on the other records (`sched_predicted.py prepare`, run here if
   missing). N = 1,000 requests, Poisson arrivals, seed 0.
 - Rates: fractions LOADS of fcfs's saturation throughput on the same setup (every request at t=0),
-  reported in req/s. SLO: mean normalized latency <= 10x the decode iteration time (DESIGN.md
+  reported in req/s. SLO: mean normalized latency <= 10x the decode iteration time (docs/DESIGN.md
   paper protocol); max rate under the SLO interpolated per policy.
 
     PYTHONPATH=. nice -n 19 .venv/bin/python benchmarks/fastserve_fig11b.py          # ~4 min
     PYTHONPATH=. .venv/bin/python benchmarks/fastserve_fig11b.py --report-only        # from results/
 
-Results: benchmarks/results/fastserve_fig11b_n1000.json (one DESIGN.md results file per dataset
+Results: benchmarks/results/fastserve_fig11b_n1000.json (one docs/DESIGN.md results file per dataset
 under "datasets"), benchmarks/figures/fastserve_fig11b.png.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 from sched_common import DATASETS, Runner, code_version, fmt, log, max_rate, md_table, read_json, save_figure, \
     write_json
 from sched_predicted import SPLITS, held_out_file, prepare
-from tokenslice.bench.simulate import SweepSpec
+from tokenslice.sim.simulate import SweepSpec
 from tokenslice.predict.cost import load_cost_model
 
 PROFILE = "opt-66b@a100-40gb:tp4"

@@ -17,7 +17,7 @@ Protocol, fixed before any run (fastserve_fig11b.py's, on the larger setting):
 - Paper protocol: N = 1,000, Poisson, seed 0, rates = fractions LOADS of fcfs's saturation
   throughput; SLO mean normalized latency <= 10x the decode iteration (here a whole pass down
   the pipe); max rate under the SLO interpolated per policy.
-- Steady-state protocol (DESIGN.md), cut to fit the time budget: N = 4,000 (DESIGN.md asks
+- Steady-state protocol (docs/DESIGN.md), cut to fit the time budget: N = 4,000 (docs/DESIGN.md asks
   >= 8,000: `--steady-requests 8000`, about twice the time), seed 0, both datasets, Gamma CV = 4 arrivals at rho = 0.8 and 0.95 of fcfs's saturation (measured at that
   N) and Poisson at rho = 0.95; mean and p95 normalized latency, mean and p99 TTFT, p99.9 TBT,
   ratios against fcfs (srpt-oracle is not among this figure's policies).

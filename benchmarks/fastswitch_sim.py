@@ -50,7 +50,7 @@ from sched_common import RESULTS, code_version
 from tokenslice.bench.workloads import PriorityPattern, PriorityUpdates
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
-from tokenslice.exec.sim import offload_block_bytes
+from tokenslice.sim.executor import offload_block_bytes
 from tokenslice.predict.cost import load_cost_model
 
 PROFILES = ("llama-8b@a10-24gb", "qwen-32b@a100-80gb")

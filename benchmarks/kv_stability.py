@@ -24,7 +24,7 @@ from typing import Any
 
 from sched_common import CACHE, COST, PROFILE, code_version, fmt, log, machine_line, make_spec, md_table, read_json, \
     write_json
-from tokenslice.bench.simulate import ample_kv_blocks, fcfs_saturation_rps, run_metrics, simulate_run
+from tokenslice.sim.simulate import ample_kv_blocks, fcfs_saturation_rps, run_metrics, simulate_run
 
 POLICY = "skip-join-mlfq"
 MODES = ["defer", "recompute", "reactive-swap", "proactive-swap"]

@@ -40,9 +40,9 @@ from engine_vs_hf import NEW, PROMPT, build_checkpoint
 from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
-from tokenslice.engine.profile_options import ProfileOptions
-from tokenslice.engine.profiler import run_profile
-from tokenslice.exec.sim_pipeline import PipelinedSimulatedExecutor
+from tokenslice.sim.profile_options import ProfileOptions
+from tokenslice.sim.profiler import run_profile
+from tokenslice.sim.pipeline import PipelinedSimulatedExecutor
 from tokenslice.predict.cost import CostModel, ProfileCostModel, fit_transfer
 
 HIDDEN = 512  # engine_vs_hf.build_checkpoint's hidden size

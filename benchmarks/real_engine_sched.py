@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from tokenslice.bench.metrics import summarize
-from tokenslice.bench.simulate import records_from_requests
+from tokenslice.sim.simulate import records_from_requests
 from tokenslice.bench.workloads import DatasetCache, make_workload
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
-from tokenslice.engine.profile_options import ProfileOptions
-from tokenslice.engine.profiler import run_profile
+from tokenslice.sim.profile_options import ProfileOptions
+from tokenslice.sim.profiler import run_profile
 from tokenslice.predict.cost import load_cost_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"

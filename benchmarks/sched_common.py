@@ -1,6 +1,6 @@
 """Shared setup of the scheduling benchmarks on the simulator (sched_steady_state.py,
 sched_paper_protocol.py, sched_io_ratio.py): the issue's common setup, a memoizing runner built on
-tokenslice.bench.simulate, compact results files, and small table helpers.
+tokenslice.sim.simulate, compact results files, and small table helpers.
 
 Common setup: profile opt-13b@a100-40gb, max batch size 16, ample KV (the simulate default),
 recompute preemption (the simulate default; memory never binds so it never triggers), datasets
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from tokenslice.bench.metrics import SLO, max_rate_detail, results_file
-from tokenslice.bench.simulate import SweepSpec, ample_kv_blocks, fcfs_saturation_rps, per_request_data, \
+from tokenslice.sim.simulate import SweepSpec, ample_kv_blocks, fcfs_saturation_rps, per_request_data, \
     run_metrics, simulate_run, summary_for
 from tokenslice.bench.workloads import DatasetCache
 from tokenslice.predict.cost import CostModel, load_cost_model
@@ -127,7 +127,7 @@ class Runner:
         return self.runs[key]
 
     def results(self, extra_workload: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """A DESIGN.md results file (rate sweep) over every run so far."""
+        """A docs/DESIGN.md results file (rate sweep) over every run so far."""
         runs = [self.runs[k] for k in sorted(self.runs)]
         spec = SweepSpec(**{**self.spec.__dict__, "rates": sorted({r["rate"] for r in runs}), "loads": None})
         sat = {s: self.saturation(s) for s in spec.seeds}

@@ -21,7 +21,7 @@ import numpy as np
 
 from sched_common import CACHE, CLI_DATASET, COST, save_figure, PROFILE, code_version, compact, fmt, log, make_spec, \
     md_table, read_json, seed_mean, verdict, write_json
-from tokenslice.bench.simulate import run_sweep
+from tokenslice.sim.simulate import run_sweep
 from tokenslice.sched.mlfq import QUANTUM_SLACK
 
 RATIOS = [0.25, 1, 4, 16, 64, 256]
@@ -156,7 +156,7 @@ def prefill_stalls(ratio: float, policy: str, seed: int, n: int, rate: float) ->
     costs the requests decoding beside it: for every step with a prefill chunk, each co-batched
     decode waits (step time - the same decodes' step alone). Decode-only steps are skipped in bulk
     by the simulator and never reach execute(); they have no prefill, so nothing is missed."""
-    from tokenslice.bench.simulate import ample_kv_blocks
+    from tokenslice.sim.simulate import ample_kv_blocks
     from tokenslice.engine.engine import Engine
     from tokenslice.predict.cost import BatchShape
 

@@ -52,7 +52,7 @@ import numpy as np
 from sched_common import CACHE, COST, PROFILE, ROOT, SHARED, code_version, fmt, log, make_spec, max_rate, md_table, \
     read_json, write_json
 from tokenslice.bench.metrics import SLO, results_file, run_entry
-from tokenslice.bench.simulate import SweepSpec, ample_kv_blocks, fcfs_saturation_rps, predict_lengths, run_metrics, \
+from tokenslice.sim.simulate import SweepSpec, ample_kv_blocks, fcfs_saturation_rps, predict_lengths, run_metrics, \
     simulate_run
 from tokenslice.bench.workloads import WorkloadRequest
 
@@ -543,7 +543,7 @@ def real(n: int, load: float, cv: float, seed: int, profile: str, repeats: int) 
 
     import real_engine_sched as res_mod
     from tokenslice.bench.metrics import summarize
-    from tokenslice.bench.simulate import records_from_requests
+    from tokenslice.sim.simulate import records_from_requests
     from tokenslice.bench.workloads import make_workload
     from tokenslice.predict.length import LengthPredictor
 

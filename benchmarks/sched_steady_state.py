@@ -1,4 +1,4 @@
-"""Scheduling issue, item 1: the steady-state protocol (DESIGN.md, "Benchmark protocols") on the
+"""Scheduling issue, item 1: the steady-state protocol (docs/DESIGN.md, "Benchmark protocols") on the
 simulator. N = 8,000 ShareGPT (or Alpaca) requests, seeds 0 and 1, load as a fraction rho of fcfs's
 saturation throughput on the same setup.
 
@@ -23,7 +23,7 @@ import numpy as np
 
 from sched_common import ALL_POLICIES, CACHE, CLI_DATASET, COST, save_figure, PROFILE, code_version, compact, fmt, \
     log, make_spec, md_table, read_json, seed_mean, verdict, write_json
-from tokenslice.bench.simulate import run_sweep, sweep_size
+from tokenslice.sim.simulate import run_sweep, sweep_size
 
 GRID_POLICIES = ["fcfs", "skip-join-mlfq", "srpt-oracle"]
 GRID_LOADS = [0.6, 0.8, 0.95]

@@ -2,17 +2,17 @@
 
 For each model — ../shared/models/stories260k and the ~56M-parameter Llama of engine_vs_hf.py
 (random weights, fp32; its step is long next to this box's timing noise) — `tokenslice twin`'s
-machinery (tokenslice.bench.twin) does two things:
+machinery (tokenslice.sim.twin) does two things:
 
 - calibration: profile the model on this machine (`tokenslice profile`, one thread, as the
   servers run: the synthetic grid), start an fcfs server, measure fcfs saturation over HTTP (all
   requests at once) and replay a trace of its own (seed + 1, half the requests) at rho = 0.5 and
   0.9 with a step trace; the simulator's clock is chosen among the grid profile, a fit on the
   calibration steps (`tokenslice profile --from-trace`: forward pass and the loop's own time,
-  engine/trace_fit.py) and a fit on those steps and the grid's timed batches (`--with-grid`): the
+  sim/trace_fit.py) and a fit on those steps and the grid's timed batches (`--with-grid`): the
   one that, fitted on the rho = 0.5 run alone, best predicts the rho = 0.9 run's summed step time
   (`--sim-clock` forces one), a fit then made on both runs; the serving path is read off their requests
-  (bench/trace_compare.py: ingress per request, egress as a line in the tokens each first token's
+  (sim/trace_compare.py: ingress per request, egress as a line in the tokens each first token's
   step streamed, fitted over both runs);
 - measured runs: start one `tokenslice serve` per policy (fcfs, skip-join-mlfq, srpt-predicted;
   max batch 16, ample KV, step traces on; the policies rank by the grid profile) and replay the
@@ -48,13 +48,13 @@ from typing import Any
 
 import numpy as np
 
-from tokenslice.bench.trace_compare import fit_egress, ingress_gap, steps_between
-from tokenslice.bench.twin import TwinPoint, TwinSpec, profile_in_child, run_twin
+from tokenslice.sim.trace_compare import fit_egress, ingress_gap, steps_between
+from tokenslice.sim.twin import TwinPoint, TwinSpec, profile_in_child, run_twin
 from tokenslice.bench.workloads import DatasetCache
 from tokenslice.config import CacheConfig
 from tokenslice.engine.step_trace import StepTraceWriter, load_step_trace
-from tokenslice.engine.trace_fit import evaluate_steps, traced_steps
-from tokenslice.exec.sim import offload_block_bytes
+from tokenslice.sim.trace_fit import evaluate_steps, traced_steps
+from tokenslice.sim.executor import offload_block_bytes
 from tokenslice.predict.cost import load_cost_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,9 +26,9 @@ from engine_vs_hf import build_checkpoint
 from tokenslice.bench.workloads import DatasetCache, make_workload
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
-from tokenslice.engine.profile_options import ProfileOptions
-from tokenslice.engine.profiler import profile_from_traces, run_profile
-from tokenslice.engine.trace_fit import describe_errors, evaluate_trace
+from tokenslice.sim.profile_options import ProfileOptions
+from tokenslice.sim.profiler import profile_from_traces, run_profile
+from tokenslice.sim.trace_fit import describe_errors, evaluate_trace
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 STORIES = SHARED / "models" / "stories260k"

@@ -15,7 +15,7 @@ import httpx
 import uvicorn
 
 from tokenslice.cli import build_parser, serve_app_from_args
-from tokenslice.engine.async_engine import EngineInfo
+from tokenslice.engine.protocol import EngineInfo
 from tokenslice.engine.engine import Engine
 from tokenslice.server.app import Server
 

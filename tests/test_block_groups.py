@@ -4,7 +4,7 @@ changes how many copies a swap takes, never what is generated (on the real engin
 tests/test_kv_swap_engine.py)."""
 from __future__ import annotations
 
-from tokenslice.bench.simulate import SweepSpec, simulate_run
+from tokenslice.sim.simulate import SweepSpec, simulate_run
 from tokenslice.bench.workloads import PriorityPattern, make_workload
 from tokenslice.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenslice.predict.cost import load_cost_model

@@ -13,7 +13,7 @@ import zmq
 
 from test_server_engine_loop import FlakyExecutor
 from tokenslice.config import EngineConfig
-from tokenslice.engine.async_engine import MAX_CONSECUTIVE_FAULTS
+from tokenslice.engine.protocol import MAX_CONSECUTIVE_FAULTS
 from tokenslice.engine.core import EngineCore
 from tokenslice.engine.core_messages import AddRequest, CoreMessage, CoreOutput, Shutdown
 from tokenslice.engine.engine import Engine

@@ -1,4 +1,4 @@
-"""DESIGN.md, Layout: imports flow downward, and the scheduler, the KV bookkeeping and the cost
+"""docs/DESIGN.md, Layout: imports flow downward, and the scheduler, the KV bookkeeping and the cost
 model stay torch-free, so the simulator runs fast and never needs a model.
 
 Every import counts, top-level or inside a function: a lazy import still ties the layers."""
@@ -16,7 +16,7 @@ PACKAGE = ROOT / "tokenslice"
 
 BASE = {"config", "request", "plan", "clock"}  # tokenslice/<name>.py: plain data, import each other only
 
-# Mirrors DESIGN.md's "server → engine → sched/kv/predict → model/exec": layer -> lower layers it may import.
+# Mirrors docs/DESIGN.md's "server → engine → sched/kv/predict → model/exec": layer -> lower layers it may import.
 ALLOWED: dict[str, set[str]] = {
     "base": set(),
     "kv": {"base"},
@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"base", "sched", "kv", "predict", "model", "exec", "engine"},
     "llm": {"base", "sched", "kv", "predict", "model", "exec", "engine"},
     "bench": {"base", "sched", "kv", "predict", "model", "exec", "engine"},
+    "sim": {"base", "sched", "kv", "predict", "model", "exec", "engine", "bench"},
     "top": set(),  # cli.py and __init__.py: may import anything
 }
 TOP = "top"
@@ -116,7 +117,7 @@ def test_planning_layers_do_not_import_torch() -> None:
     planning = sorted(module_name(f) for d in ("sched", "kv") for f in (PACKAGE / d).glob("*.py"))
     code = ("import sys; import tokenslice.sched.scheduler, tokenslice.sched.mlfq, tokenslice.sched.srpt, "
             "tokenslice.sched.fcfs, tokenslice.kv.manager, tokenslice.kv.groups, tokenslice.predict.cost, "
-            f"tokenslice.exec.sim, tokenslice.engine.engine, {', '.join(planning)}; print('torch' in sys.modules)")
+            f"tokenslice.sim.executor, tokenslice.engine.engine, {', '.join(planning)}; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
                          cwd=ROOT).stdout.strip()
     assert out == "False"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenslice.bench.simulate import SweepSpec, predict_lengths, run_sweep, simulate_run
+from tokenslice.sim.simulate import SweepSpec, predict_lengths, run_sweep, simulate_run
 from tokenslice.bench.workloads import DatasetCache, make_workload
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
@@ -103,7 +103,7 @@ def test_srpt_predicted_runs_to_completion_on_predictions(held_out: Path, predic
 
 
 def records_of(reqs: list) -> list:
-    from tokenslice.bench.simulate import records_from_requests
+    from tokenslice.sim.simulate import records_from_requests
 
     return records_from_requests(reqs)
 

@@ -184,7 +184,7 @@ def test_flag_and_option_default_on() -> None:
 def test_metrics_export_queries_and_hits_by_tier(stories_llm) -> None:
     from prometheus_client import generate_latest
 
-    from tokenslice.engine.async_engine import read_stats
+    from tokenslice.engine.protocol import read_stats
     from tokenslice.server.metrics import ServerMetrics
 
     llm = stories_llm
@@ -315,7 +315,7 @@ def test_evicted_device_blocks_are_offloaded_and_found_on_host(reference, preemp
 
 
 def test_simulator_shares_real_prompt_ids_only() -> None:
-    from tokenslice.bench.simulate import simulate_run
+    from tokenslice.sim.simulate import simulate_run
     from tokenslice.bench.workloads import WorkloadRequest
     from tokenslice.config import SchedulerConfig
     from tokenslice.engine.engine import Engine

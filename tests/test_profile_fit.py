@@ -20,7 +20,7 @@ from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.engine.step_trace import StepRecord, load_step_trace
-from tokenslice.engine.trace_fit import evaluate_steps, evaluate_trace, fit_steps, grid_measurements, traced_steps
+from tokenslice.sim.trace_fit import evaluate_steps, evaluate_trace, fit_steps, grid_measurements, traced_steps
 from tokenslice.predict.cost import (PROFILE_FEATURES, BatchShape, LoopShape, ProfileCostModel, TransferSpec,
                                      load_cost_model)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tokenslice.cli import main
-from tokenslice.engine.profiler import GridPoint, fit_relative, profile_grid, reduce_grid
+from tokenslice.sim.profiler import GridPoint, fit_relative, profile_grid, reduce_grid
 from tokenslice.predict.cost import BatchShape, ProfileCostModel, load_cost_model
 
 

@@ -358,7 +358,7 @@ def test_priority_route_refused_by_policies_without_priorities(srv: RunningServe
 
 
 def test_per_user_series_are_bounded() -> None:
-    from tokenslice.engine.async_engine import EngineStats
+    from tokenslice.engine.protocol import EngineStats
     from tokenslice.server.metrics import MAX_METRIC_USERS, OTHER_USERS, ServerMetrics
 
     sm = ServerMetrics("m", stats=EngineStats, queued=lambda: 0)

@@ -11,8 +11,8 @@ import pytest
 
 from serverkit import start_server, wait_idle
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig
-from tokenslice.engine.async_engine import (AsyncEngine, EngineDeadError, EngineOverloadedError,
-                                            MAX_CONSECUTIVE_FAULTS)
+from tokenslice.engine.async_engine import AsyncEngine
+from tokenslice.engine.protocol import MAX_CONSECUTIVE_FAULTS, EngineDeadError, EngineOverloadedError
 from tokenslice.engine.engine import Engine
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput, SamplingParams

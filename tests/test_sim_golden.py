@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenslice.bench.simulate import SweepSpec, run_sweep, strip_per_request
+from tokenslice.sim.simulate import SweepSpec, run_sweep, strip_per_request
 from tokenslice.config import PREEMPTION_MODES
 from tokenslice.predict.cost import load_cost_model
 

@@ -1,4 +1,4 @@
-"""The simulator with pipeline stages (exec/sim_pipeline.py): several batches in flight through
+"""The simulator with pipeline stages (sim/pipeline.py): several batches in flight through
 the same scheduler code path as the real engine (FastServe §4.3's in-flight rule), on the
 virtual clock. Throughput is counted in tokens per virtual second: deterministic."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
-from tokenslice.exec.sim_pipeline import PipelinedSimulatedExecutor
+from tokenslice.sim.pipeline import PipelinedSimulatedExecutor
 from tokenslice.plan import StepPlan
 from tokenslice.predict.cost import BatchShape, load_cost_model
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tokenslice.bench.metrics import METRIC_KEYS
-from tokenslice.bench.simulate import (SweepSpec, ample_kv_blocks, fcfs_saturation_rps, records_from_requests,
+from tokenslice.sim.simulate import (SweepSpec, ample_kv_blocks, fcfs_saturation_rps, records_from_requests,
                                        run_sweep, simulate_run)
 from tokenslice.bench.workloads import DatasetCache, PriorityPattern, PriorityUpdates, make_workload
 from tokenslice.cli import main
@@ -36,7 +36,7 @@ def cache() -> DatasetCache:
 
 
 def check_results_file(data: dict) -> None:
-    """The DESIGN.md results-file keys."""
+    """The docs/DESIGN.md results-file keys."""
     assert data["tool"] == "simulate"
     for key in ("workload", "profile", "slo", "runs", "summary"):
         assert key in data
@@ -169,7 +169,7 @@ def test_records_from_engine_requests(cost) -> None:
 
 
 def test_sweep_spec_takes_scheduler_defaults_from_the_config() -> None:
-    from tokenslice.bench.simulate import SIMULATE_MAX_BATCH_SIZE
+    from tokenslice.sim.simulate import SIMULATE_MAX_BATCH_SIZE
     from tokenslice.config import CacheConfig, SchedulerConfig
 
     spec = SweepSpec(workload="synthetic-lognormal", policies=["fcfs"], rates=[1.0])

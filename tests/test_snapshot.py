@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tokenslice.bench.record_state import StateRecorder
-from tokenslice.bench.simulate import simulate_run
+from tokenslice.sim.simulate import simulate_run
 from tokenslice.bench.workloads import make_workload
 from tokenslice.cli import main
 from tokenslice.config import SchedulerConfig

@@ -23,7 +23,7 @@ from tokenslice import LLM, SamplingParams
 from tokenslice.cli import build_parser, engine_config_from_args
 from tokenslice.config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
-from tokenslice.exec.sim import SimulatedExecutor
+from tokenslice.sim.executor import SimulatedExecutor
 from tokenslice.exec.multiproc import MultiprocExecutor, WorkerError
 from tokenslice.kv.manager import KVManager
 from tokenslice.model.arch import ModelLoadError, parse_config

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tokenslice.bench.metrics import RequestRecord
-from tokenslice.bench.serving_path import ServingPath
-from tokenslice.bench.simulate import simulate_run
-from tokenslice.bench.twin import TWIN_METRICS
+from tokenslice.sim.serving_path import ServingPath
+from tokenslice.sim.simulate import simulate_run
+from tokenslice.sim.twin import TWIN_METRICS
 from tokenslice.bench.workloads import make_workload
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.step_trace import load_step_trace
@@ -117,7 +117,7 @@ def test_policies_can_see_another_cost_model_than_the_clock() -> None:
 
 def test_serving_path_read_off_lone_requests_and_their_steps() -> None:
     from tokenslice.bench.client import ClientRecord
-    from tokenslice.bench.trace_compare import measure_path, trace_summary
+    from tokenslice.sim.trace_compare import measure_path, trace_summary
     from tokenslice.engine.step_trace import StepRecord
 
     # Two lone requests, sent at 100.000 and 200.000 (wall clock): each prompt ran in a step that
@@ -137,7 +137,7 @@ def test_serving_path_read_off_lone_requests_and_their_steps() -> None:
 
 
 def test_admissions_follow_each_simulated_request_to_its_prompt_step(tmp_path: Path) -> None:
-    from tokenslice.bench.trace_compare import admissions
+    from tokenslice.sim.trace_compare import admissions
 
     cost = load_cost_model("opt-13b@a100-40gb")
     wl = make_workload("synthetic-fixed", num_requests=30, rate=20.0, seed=1, input_len=24, output_len=6)
@@ -161,7 +161,7 @@ def test_admissions_follow_each_simulated_request_to_its_prompt_step(tmp_path: P
 
 def test_serving_path_under_load_read_off_a_busy_trace() -> None:
     from tokenslice.bench.client import ClientRecord
-    from tokenslice.bench.trace_compare import admissions, path_under_load
+    from tokenslice.sim.trace_compare import admissions, path_under_load
     from tokenslice.engine.step_trace import StepRecord
 
     # Steps of 1 ms back to back from t = 10 s. Request "a" is sent 0.5 ms into step 1 and its
@@ -190,7 +190,7 @@ def test_serving_path_under_load_read_off_a_busy_trace() -> None:
 
 
 def test_a_burst_reaches_the_engine_one_ingress_gap_apart() -> None:
-    from tokenslice.bench.trace_compare import ingress_gap
+    from tokenslice.sim.trace_compare import ingress_gap
     from tokenslice.bench.workloads import WorkloadRequest
     from tokenslice.engine.step_trace import StepRecord
 
@@ -232,7 +232,7 @@ def test_egress_grows_with_the_tokens_each_step_streams() -> None:
 
 
 def test_egress_fit_recovers_a_known_line() -> None:
-    from tokenslice.bench.trace_compare import fit_egress
+    from tokenslice.sim.trace_compare import fit_egress
 
     rng = np.random.default_rng(0)
     emitted = rng.integers(1, 17, size=400)
@@ -270,7 +270,7 @@ def test_simulated_requests_can_carry_max_tokens_as_the_http_client_sends_it() -
 
 def test_a_chunked_prompt_streams_out_from_its_last_chunk() -> None:
     from tokenslice.bench.client import ClientRecord
-    from tokenslice.bench.trace_compare import admissions
+    from tokenslice.sim.trace_compare import admissions
     from tokenslice.engine.step_trace import StepRecord
 
     # "c" is prefilled in two chunks (steps 1 and 2); step 2 samples its first token with 3 others.

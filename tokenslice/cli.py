@@ -1,5 +1,5 @@
 """The `tokenslice` command. Each subcommand lives in a function `cmd_<name>`; flags are the
-kebab-case names of config fields (DESIGN.md)."""
+kebab-case names of config fields (docs/DESIGN.md)."""
 from __future__ import annotations
 
 import argparse
@@ -43,7 +43,7 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def add_field_flag(p: Any, cls: type, name: str, *aliases: str, **kwargs: Any) -> argparse.Action:
-    """Add `--name` (kebab case) for the field `name` of the dataclass `cls` (DESIGN.md: flags are
+    """Add `--name` (kebab case) for the field `name` of the dataclass `cls` (docs/DESIGN.md: flags are
     config field names), and short `aliases` (e.g. "-tp"): its default, type and choices come
     from the field, so none is written twice. `kwargs` go to argparse (help, metavar, required,
     ...) and win over the field's."""
@@ -325,7 +325,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from tokenslice.bench.report import format_summary, format_table, plot_results
-    from tokenslice.bench.simulate import SweepSpec, run_sweep, strip_per_request, sweep_size
+    from tokenslice.sim.simulate import SweepSpec, run_sweep, strip_per_request, sweep_size
     from tokenslice.predict.cost import load_cost_model
 
     cost = load_cost_model(a.profile)
@@ -510,14 +510,14 @@ def add_bench_subcommand(sub: Any) -> None:
          "1/F iterations into wall time (default: a lone request's decode step, measured)")
     add_field_flag(srv, BenchSpec, "interleave", help="start every policy's server at once and let the policies "
                    "take turns at each rate, so that drifting machine load hits all alike")
-    b.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
+    b.add_argument("--out", default=None, help="write the results file (docs/DESIGN.md format)")
     b.add_argument("--plot", default=None, help="write a PNG figure")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
 
 
 def cmd_twin(a: argparse.Namespace) -> int:
-    from tokenslice.bench.twin import TwinSpec, format_twin, run_twin
+    from tokenslice.sim.twin import TwinSpec, format_twin, run_twin
 
     logging.getLogger("httpx").setLevel(logging.WARNING)
     given = {f.name: getattr(a, f.name) for f in dataclasses.fields(TwinSpec) if hasattr(a, f.name)}
@@ -537,7 +537,7 @@ def cmd_twin(a: argparse.Namespace) -> int:
 
 def add_twin_subcommand(sub: Any) -> None:
     """`twin`: one arrival trace on the real engine over HTTP and in the simulator, compared."""
-    from tokenslice.bench.twin import TwinSpec
+    from tokenslice.sim.twin import TwinSpec
     from tokenslice.bench.workloads import WORKLOAD_NAMES
 
     t = sub.add_parser("twin", help="replay one arrival trace on the real engine (HTTP) and in the simulator "
@@ -587,9 +587,9 @@ def add_twin_subcommand(sub: Any) -> None:
 def cmd_profile(a: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from tokenslice.engine.profile_options import ProfileOptions
-    from tokenslice.engine.profiler import describe, profile_from_traces, run_profile
-    from tokenslice.engine.trace_fit import describe_errors, evaluate_trace
+    from tokenslice.sim.profile_options import ProfileOptions
+    from tokenslice.sim.profiler import describe, profile_from_traces, run_profile
+    from tokenslice.sim.trace_fit import describe_errors, evaluate_trace
     from tokenslice.predict.cost import load_cost_model
 
     if a.out is None and (a.from_trace or not a.evaluate):
@@ -623,9 +623,9 @@ def cmd_profile(a: argparse.Namespace) -> int:
 
 def add_simulation_subcommands(sub: Any) -> None:
     """`simulate`, `report` and `profile` (the simulator, its figures, and its cost model)."""
-    from tokenslice.bench.simulate import HOST_KV_FACTOR, SweepSpec
+    from tokenslice.sim.simulate import HOST_KV_FACTOR, SweepSpec
     from tokenslice.bench.workloads import WORKLOAD_NAMES
-    from tokenslice.engine.profile_options import ProfileOptions
+    from tokenslice.sim.profile_options import ProfileOptions
 
     m = sub.add_parser("simulate", help="sweep policies x rates (or loads) on the simulator")
 
@@ -676,7 +676,7 @@ def add_simulation_subcommands(sub: Any) -> None:
          help="output-length predictor from `tokenslice predictor build` (srpt-predicted): each "
          "request is predicted from its prompt text; build it on records the workload does not draw")
     add_priority_flags(m, SweepSpec)
-    m.add_argument("--out", default=None, help="write the results file (DESIGN.md format)")
+    m.add_argument("--out", default=None, help="write the results file (docs/DESIGN.md format)")
     m.add_argument("--save-requests", action="store_true",
                    help="keep per-request data in --out (for TTFT/TBT CDFs in `report`)")
     m.add_argument("--plot", default=None, help="write a PNG figure")

@@ -1,4 +1,4 @@
-"""Engine configuration: plain dataclasses, one per concern (DESIGN.md, "Layout").
+"""Engine configuration: plain dataclasses, one per concern (docs/DESIGN.md, "Layout").
 
 These dataclasses are the one place engine defaults are written: the CLI's flags (kebab-case
 field names), `LLM(...)`'s keywords and the simulator's sweeps read them from here. A field with

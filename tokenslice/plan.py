@@ -1,4 +1,4 @@
-"""What the scheduler hands the executor each step, and what comes back (DESIGN.md, StepPlan).
+"""What the scheduler hands the executor each step, and what comes back (docs/DESIGN.md, StepPlan).
 
 Plain data so that any executor (local, distributed, simulated) can take it, plus `copy_runs`,
 how the block pairs of a swap coalesce into copies (the scheduler and every executor count them).

@@ -1,4 +1,4 @@
-"""Async HTTP load generator for any OpenAI-compatible server (DESIGN.md, "Metrics").
+"""Async HTTP load generator for any OpenAI-compatible server (docs/DESIGN.md, "Metrics").
 
 It replays a workload (`bench/workloads.py`) over `/v1/completions` or `/v1/chat/completions`
 with `stream: true`, and times every token as the client sees it: the request is stamped when it

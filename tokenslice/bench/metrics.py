@@ -1,4 +1,4 @@
-"""Latency statistics exactly as DESIGN.md ("Metrics") defines them, and the results file.
+"""Latency statistics exactly as docs/DESIGN.md ("Metrics") defines them, and the results file.
 
 - e2e latency (JCT) = finish - arrival; normalized latency = e2e / output tokens (the papers'
   "latency (s/token)").
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-# Metric keys every results-file run carries (DESIGN.md, "Results file"); more may be added.
+# Metric keys every results-file run carries (docs/DESIGN.md, "Results file"); more may be added.
 METRIC_KEYS = ("mean_normalized_latency", "p95_normalized_latency", "mean_ttft", "p99_ttft", "p999_ttft",
                "mean_tbt", "p999_tbt", "mean_jct", "p95_jct", "throughput_rps", "throughput_tok_s",
                "preemptions", "recomputed_tokens", "swap_out_bytes", "swap_in_bytes", "swap_ops",
@@ -423,7 +423,7 @@ def sweep_summary(runs: Sequence[Mapping[str, Any]], slo: SLO | Mapping[str, Any
 
 def results_file(tool: str, workload: Mapping[str, Any], profile: str, slo: SLO | Mapping[str, Any] | float | None,
                  runs: Sequence[Mapping[str, Any]], summary: Mapping[str, Any]) -> dict[str, Any]:
-    """The DESIGN.md results-file dict (written by `bench` and `simulate` with --out)."""
+    """The docs/DESIGN.md results-file dict (written by `bench` and `simulate` with --out)."""
     if tool not in RESULT_TOOLS:
         raise ValueError(f"tool must be one of {', '.join(RESULT_TOOLS)}, got {tool!r}")
     for i, run in enumerate(runs):
@@ -442,3 +442,22 @@ def results_file(tool: str, workload: Mapping[str, Any], profile: str, slo: SLO 
 __all__ = ["METRIC_KEYS", "COUNTER_KEYS", "RequestRecord", "SLO", "MaxRate", "percentile", "meets_slo", "makespan",
            "slo_attainment", "goodput", "summarize", "max_rate_detail", "max_rate_under_slo", "run_entry", "run_key",
            "sweep_summary", "results_file", "jain_index", "user_summary", "max_service_gap", "fairness_metrics"]
+
+
+# TBT CDF kept per run in this many quantile points (pooled TBTs are too many to store).
+TBT_CDF_POINTS = np.concatenate([np.linspace(0.0, 0.99, 100), np.linspace(0.991, 1.0, 10)])
+
+
+
+def per_request_data(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Compact per-request data for CDF plots: TTFT, normalized latency, breakdown per request, and
+    the pooled TBT distribution as quantiles (every gap would be ~N x output-length numbers)."""
+    def col(values: Sequence[float | None]) -> list[float | None]:
+        return [None if v is None else float(f"{v:.6g}") for v in values]
+
+    tbt = np.array([g for r in records for g in r.tbt])
+    return {"ttft": col([r.ttft for r in records]), "normalized_latency": col([r.normalized_latency for r in records]),
+            "output_tokens": [r.output_tokens for r in records], "queue_s": col([r.queue_s for r in records]),
+            "exec_s": col([r.exec_s for r in records]),
+            "tbt_cdf": {"q": col(TBT_CDF_POINTS.tolist()),
+                        "v": col(np.quantile(tbt, TBT_CDF_POINTS).tolist()) if len(tbt) else []}}

@@ -1,4 +1,4 @@
-"""Tables and matplotlib figures from results files (DESIGN.md, "Results file").
+"""Tables and matplotlib figures from results files (docs/DESIGN.md, "Results file").
 
 Figures follow the papers: mean normalized latency against arrival rate (or load) per policy with
 the SLO line (FastServe Fig. 11), a latency breakdown into queueing / execution / swapping per

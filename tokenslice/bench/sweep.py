@@ -1,8 +1,8 @@
-"""HTTP benchmark sweeps: the logic behind `tokenslice bench` (DESIGN.md, "Benchmark protocols").
+"""HTTP benchmark sweeps: the logic behind `tokenslice bench` (docs/DESIGN.md, "Benchmark protocols").
 
 For each policy (with `--model`: one `tokenslice serve` child process per policy, torn down
 after its sweep; with `--url`: the given server under one label) and each sweep point (arrival
-rate, or fixed concurrency), replay the workload with `LoadClient`, compute the DESIGN.md
+rate, or fixed concurrency), replay the workload with `LoadClient`, compute the docs/DESIGN.md
 metrics client-side, add the server's counter deltas from /metrics, and build the results file.
 
 A policy's sweep stops early once it is clearly past the SLO (the metric above
@@ -37,7 +37,7 @@ from tokenslice.bench.client import ClientConfig, ClientRecord, LoadClient, RunR
     wait_idle
 from tokenslice.bench.metrics import COUNTER_KEYS, SLO, max_rate_detail, results_file, run_entry, summarize, \
     user_summary
-from tokenslice.bench.simulate import per_request_data
+from tokenslice.bench.metrics import per_request_data
 from tokenslice.bench.workloads import PRIORITY_PATTERNS, DatasetCache, PriorityPattern, WorkloadRequest, \
     check_user_shares, make_workload, parse_user_shares, resolve_dataset, workload_stats
 from tokenslice.config import field_from
@@ -242,7 +242,7 @@ def running_server(spec: ServerSpec, policy: str, slo_normalized_latency: float 
 # ---------------------------------------------------------------- one run
 
 def bench_metrics(result: RunResult, slo: SLO, prefix: str = "tokenslice:") -> dict[str, Any]:
-    """DESIGN.md metrics from client records, server counters from /metrics deltas (None where
+    """docs/DESIGN.md metrics from client records, server counters from /metrics deltas (None where
     the server exposes no such counter), and the client-side latency breakdown."""
     records = result.records
     m = summarize(records, slo=slo)
@@ -325,7 +325,7 @@ class _PolicySweep:
 
 def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None = None,
               progress: ProgressFn | None = None, cache: DatasetCache | None = None) -> dict[str, Any]:
-    """Every (policy, sweep point) as a DESIGN.md results file with tool "bench".
+    """Every (policy, sweep point) as a docs/DESIGN.md results file with tool "bench".
 
     With `server`, each policy gets its own `tokenslice serve` child; without, `client.base_url`
     is benchmarked under the single label `spec.policies[0]`.

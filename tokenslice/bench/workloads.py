@@ -1,4 +1,4 @@
-"""Workloads: who asks what, and when (DESIGN.md, "Benchmark protocols").
+"""Workloads: who asks what, and when (docs/DESIGN.md, "Benchmark protocols").
 
 A workload is a list of `WorkloadRequest` (arrival time, prompt and output lengths, optional
 user / priority / conversation). It comes from

@@ -1,4 +1,4 @@
-"""The engine-core process (DESIGN.md, Data flow): Engine.step() in a loop of its own, fed and
+"""The engine-core process (docs/DESIGN.md, Data flow): Engine.step() in a loop of its own, fed and
 drained over ZMQ by the API server (engine/core_client.py), so HTTP, tokenization and
 detokenization never compete with the engine for one interpreter lock.
 
@@ -22,7 +22,7 @@ import zmq
 
 from tokenslice.config import EngineConfig
 from tokenslice.engine.cpus import CpuPlan, pin_process
-from tokenslice.engine.async_engine import MAX_CONSECUTIVE_FAULTS, EngineStats, engine_info, read_stats
+from tokenslice.engine.protocol import MAX_CONSECUTIVE_FAULTS, EngineStats, engine_info, read_stats
 from tokenslice.engine.core_messages import (Abort, AddReply, AddRequest, CoreInput, CoreOutput, Fatal,
                                              PriorityReply, Ready, Refusal, SetPriority, Shutdown, StartupFailed,
                                              StateQuery, StateReply)

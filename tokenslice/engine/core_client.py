@@ -1,4 +1,4 @@
-"""EngineCoreClient: the API server's side of the engine-core process (DESIGN.md, Data flow).
+"""EngineCoreClient: the API server's side of the engine-core process (docs/DESIGN.md, Data flow).
 
 It starts the core (engine/core.py) in a spawned, non-daemonic child (a core with tensor
 parallelism starts worker processes of its own) and offers the server what AsyncEngine offers:
@@ -32,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from tokenslice.config import CpuConfig, EngineConfig
-from tokenslice.engine.async_engine import (EngineDeadError, EngineFaultError, OutputObserver, RequestStream,
+from tokenslice.engine.protocol import (EngineDeadError, EngineFaultError, OutputObserver, RequestStream,
                                             StreamAdmission)
 from tokenslice.engine.core import run_engine_core
 from tokenslice.engine.cpus import CpuPlan, plan_cpus

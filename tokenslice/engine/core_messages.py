@@ -1,4 +1,4 @@
-"""Messages between the API server and the engine-core process (DESIGN.md, Data flow).
+"""Messages between the API server and the engine-core process (docs/DESIGN.md, Data flow).
 
 Encoded with msgspec's MessagePack, never pickled. The request, output and stats dataclasses
 travel field by field as they are declared, so a field added to EngineRequest, RequestOutput or
@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from tokenslice.engine.async_engine import EngineInfo, EngineStats
+from tokenslice.engine.protocol import EngineInfo, EngineStats
 from tokenslice.request import EngineRequest, RequestOutput
 
 

@@ -1,4 +1,4 @@
-"""Engine: add / abort / step / generate over a Scheduler and an Executor (DESIGN.md, Data flow).
+"""Engine: add / abort / step / generate over a Scheduler and an Executor (docs/DESIGN.md, Data flow).
 
 step() = plan = scheduler.schedule(now); result = executor.execute(plan);
          scheduler.update(plan, result, now); then detokenize and report.
@@ -20,8 +20,8 @@ from tokenslice.clock import RealClock, VirtualClock
 from tokenslice.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenslice.engine.detokenizer import IncrementalDetokenizer
 from tokenslice.engine.step_trace import StepTraceWriter, step_record
-from tokenslice.exec.sim import SimulatedExecutor, offload_block_bytes
-from tokenslice.exec.sim_pipeline import PipelinedSimulatedExecutor
+from tokenslice.sim.executor import SimulatedExecutor, offload_block_bytes
+from tokenslice.sim.pipeline import PipelinedSimulatedExecutor
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestError, Request, RequestOutput,
@@ -45,7 +45,7 @@ class StepTimings:
 
 
 class Executor(Protocol):
-    """Runs plans (DESIGN.md, Executor). `submit` hands over a plan and `poll` returns the
+    """Runs plans (docs/DESIGN.md, Executor). `submit` hands over a plan and `poll` returns the
     oldest submitted plan's result, so several plans may be in flight (pipeline parallelism);
     `execute(plan)` is submit + poll, what the engine loop calls with one plan in flight."""
 
@@ -260,7 +260,7 @@ class Engine:
                   enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                   block_groups: bool = CacheConfig.block_groups, max_in_flight: int | None = None,
                   policy_cost: CostModel | None = None) -> Engine:
-        """The simulator (DESIGN.md): the same scheduler and policies on a virtual clock, with
+        """The simulator (docs/DESIGN.md): the same scheduler and policies on a virtual clock, with
         iteration times (and swap copy times) from the cost model instead of a model. A cost
         model with pipeline stages (`:ppM`) gets the pipelined executor, `max_in_flight` batches
         in the pipe (default one per stage). `policy_cost` is the cost model the policies see

@@ -1,5 +1,5 @@
 """The submit/poll side of the Executor interface for executors that finish a plan as soon as
-it is submitted (DESIGN.md, Executor: several plans may be in flight for pipeline parallelism;
+it is submitted (docs/DESIGN.md, Executor: several plans may be in flight for pipeline parallelism;
 these simply have none left in flight)."""
 from __future__ import annotations
 

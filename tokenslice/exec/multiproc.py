@@ -1,4 +1,4 @@
-"""MultiprocExecutor: the model split over worker processes (DESIGN.md, Data flow; FastServe
+"""MultiprocExecutor: the model split over worker processes (docs/DESIGN.md, Data flow; FastServe
 §4.3), one per rank: tensor-parallel ranks inside each pipeline stage, joined by
 torch.distributed (gloo on CPU, NCCL on CUDA).
 

@@ -9,7 +9,7 @@ Free space is kept as aligned power-of-two chunks (a buddy system over ids 0..nu
 any num_blocks): a new run is carved from a chunk of at least a group (room to grow in place),
 else from the smallest chunk that fits; a growing run first extends in place; freeing merges
 buddies back, so contiguous space is rebuilt as requests finish. Plain Python: no torch
-(DESIGN.md).
+(docs/DESIGN.md).
 """
 from __future__ import annotations
 

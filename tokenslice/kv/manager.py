@@ -1,4 +1,4 @@
-"""KVManager: where each request's KV lives and how many blocks it holds (DESIGN.md, KVManager).
+"""KVManager: where each request's KV lives and how many blocks it holds (docs/DESIGN.md, KVManager).
 
 It plans; the model runner owns the tensors. Two tiers: a device pool and a host pool. Each
 request's KV is either all on device, all on host (swapped out), or nowhere (dropped: it

@@ -1,7 +1,7 @@
 """ModelRunner: owns the model and the KV tensors; turns a StepPlan into KV transfers and one
 forward pass.
 
-Two KV tiers (DESIGN.md, KVManager): the device tensor `kv` and a host tensor of the same
+Two KV tiers (docs/DESIGN.md, KVManager): the device tensor `kv` and a host tensor of the same
 layout, [layers, 2, blocks, block_size, kv_heads, head_dim] (pinned on CUDA so copies are DMA),
 in the model dtype or, with offload_dtype="int8", as 8-bit codes plus per-channel metadata
 (ALISE §3.2, model/kv_quant.py): quantized on the device before device->host, dequantized on

@@ -1,4 +1,4 @@
-"""CostModel: seconds for one engine iteration and for one KV transfer (DESIGN.md, "CostModel").
+"""CostModel: seconds for one engine iteration and for one KV transfer (docs/DESIGN.md, "CostModel").
 
 Two sources behind one interface:
 

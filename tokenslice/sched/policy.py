@@ -1,4 +1,4 @@
-"""The Policy base class (DESIGN.md, Core types): every hook the scheduler may call, with
+"""The Policy base class (docs/DESIGN.md, Core types): every hook the scheduler may call, with
 defaults, and what a policy may know about the system (PolicyContext)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What happens to KV when device memory is short (DESIGN.md, "Preemption"): one strategy per
+"""What happens to KV when device memory is short (docs/DESIGN.md, "Preemption"): one strategy per
 mode, chosen once from config (sched/registry.py). A strategy makes room (victim choice,
 evictions by drop or swap), loads a job's KV back, keeps loaded jobs from thrashing, and records
 every preemption, drop and swap in SchedulerStats. proactive-swap, which also moves KV ahead of

@@ -1,4 +1,4 @@
-"""Policies and preemption strategies by name (DESIGN.md, "Names shared by CLI, config and
+"""Policies and preemption strategies by name (docs/DESIGN.md, "Names shared by CLI, config and
 results"). Its own module so that policy and strategy modules import only their base classes,
 and nothing imports in a cycle."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Scheduler: walks the policy's order, fills a batch under the step limits and the KV pool,
-and returns a StepPlan; after the step it records tokens and finishes requests (DESIGN.md).
+and returns a StepPlan; after the step it records tokens and finishes requests (docs/DESIGN.md).
 What happens to KV when memory is short is the preemption strategy's (sched/preemption.py)."""
 from __future__ import annotations
 

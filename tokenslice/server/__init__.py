@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP server: `create_app(engine_client, ServerSettings(...))` (DESIGN.md, server/).
+"""OpenAI-compatible HTTP server: `create_app(engine_client, ServerSettings(...))` (docs/DESIGN.md, server/).
 
 Names load on first use (PEP 562), so reading `tokenslice.server.settings` does not import FastAPI."""
 from __future__ import annotations

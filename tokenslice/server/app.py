@@ -1,4 +1,4 @@
-"""FastAPI app: OpenAI-compatible routes over an engine client (DESIGN.md, Data flow).
+"""FastAPI app: OpenAI-compatible routes over an engine client (docs/DESIGN.md, Data flow).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/requests/{id}/priority,
 GET /v1/models[/{id}], GET /v1/state[/stream] (the live view's data, server/state.py),
@@ -38,8 +38,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenslice.engine.async_engine import (EngineClient, EngineDeadError, EngineFaultError, EngineInfo,
-                                            EngineOverloadedError, RequestStream)
+from tokenslice.engine.protocol import (EngineClient, EngineDeadError, EngineFaultError, EngineInfo,
+                                        EngineOverloadedError, RequestStream)
 from tokenslice.request import (MAX_LOGIT_BIAS, EngineRequest, InvalidRequestError, RequestOutput, SamplingParams,
                                 TokenLogprobs)
 from tokenslice.server.choices import Choice, best_of, merged, sibling_seed

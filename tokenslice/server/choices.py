@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tokenslice.engine.async_engine import RequestStream
+from tokenslice.engine.protocol import RequestStream
 from tokenslice.request import RequestOutput, TokenLogprobs
 
 _SEED_SPAN = 2**64  # torch generators take a 64-bit seed

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenslice.engine.async_engine import EngineStats
+from tokenslice.engine.protocol import EngineStats
 from tokenslice.request import RequestOutput
 from tokenslice.server.latency_window import LatencyWindow
 

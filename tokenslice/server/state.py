@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from tokenslice.engine.async_engine import EngineClient, EngineDeadError, EngineFaultError
+from tokenslice.engine.protocol import EngineClient, EngineDeadError, EngineFaultError
 from tokenslice.sched.snapshot import REQUEST_STATES
 from tokenslice.server.latency_window import WINDOW_S
 from tokenslice.server.metrics import ServerMetrics

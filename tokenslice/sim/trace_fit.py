@@ -31,7 +31,7 @@ import numpy as np
 
 from tokenslice.config import CacheConfig
 from tokenslice.engine.step_trace import StepRecord, load_step_trace
-from tokenslice.exec.sim import offload_block_bytes
+from tokenslice.sim.executor import offload_block_bytes
 from tokenslice.predict.cost import (LOOP_FEATURES, PROFILE_FEATURES, BatchShape, CostModel, LoopShape,
                                      ProfileCostModel, TransferSpec, fit_transfer, loop_features, nnls,
                                      profile_features)

@@ -1,4 +1,4 @@
-"""Simulated sweeps: policies x arrival rates (or loads) on the simulator (DESIGN.md, "Benchmark protocols").
+"""Simulated sweeps: policies x arrival rates (or loads) on the simulator (docs/DESIGN.md, "Benchmark protocols").
 
 The logic behind `tokenslice simulate`, reusable by benchmark scripts:
 
@@ -6,7 +6,7 @@ The logic behind `tokenslice simulate`, reusable by benchmark scripts:
   engine-wide counters;
 - `fcfs_saturation_rps` measures the saturation throughput the steady-state protocol's loads are
   fractions of (the same workload, every request at t=0, under fcfs: N / makespan);
-- `run_sweep` runs every (seed, rate or load, policy) and builds the DESIGN.md results file;
+- `run_sweep` runs every (seed, rate or load, policy) and builds the docs/DESIGN.md results file;
 - `predict_lengths` gives a workload's requests the output lengths a LengthPredictor expects
   from their prompt text (SweepSpec.length_predictor, for srpt-predicted).
 
@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from tokenslice.bench.metrics import SLO, RequestRecord, max_rate_detail, results_file, run_entry, run_key, \
+from tokenslice.bench.metrics import SLO, RequestRecord, per_request_data, max_rate_detail, results_file, run_entry, run_key, \
     summarize, sweep_summary, user_summary
 from tokenslice.bench.record_state import StateRecorder
-from tokenslice.bench.serving_path import ServingPath
+from tokenslice.sim.serving_path import ServingPath
 from tokenslice.bench.workloads import PRIORITY_PATTERNS, DatasetCache, PriorityPattern, PriorityUpdates, \
     WorkloadRequest, check_user_shares, make_workload, parse_user_shares, workload_stats
 from tokenslice.config import CacheConfig, SchedulerConfig, field_from
@@ -36,8 +36,6 @@ from tokenslice.request import Request
 
 # "Ample" KV when none is given: at least this many tokens per batch slot (the brief's floor) ...
 AMPLE_TOKENS_PER_SLOT = 4096
-# ... TBT CDF kept per run in this many quantile points (pooled TBTs are too many to store).
-TBT_CDF_POINTS = np.concatenate([np.linspace(0.0, 0.99, 100), np.linspace(0.991, 1.0, 10)])
 # Host KV tier of the swap modes when none is given: this many times the device pool.
 HOST_KV_FACTOR = 4
 # Sweeps batch at most 16 requests, not serve's SchedulerConfig.max_batch_size: the setup of the
@@ -266,7 +264,7 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     without a prediction get one first (predict_lengths). With `priority`, requests get priorities
     from the pattern at arrival and every 1/f steps (FastSwitch §4). `state_recorder` snapshots the
     scheduler as the virtual clock advances (it only reads, so the results do not change). `path`
-    adds the serving path outside the engine (HTTP in and out, bench/serving_path.py): the records
+    adds the serving path outside the engine (HTTP in and out, sim/serving_path.py): the records
     are then what a client would see. `step_trace` writes every simulated step as the real engine's
     --step-trace does (virtual-clock starts); it turns off fast-forward, which changes no result.
     `policy_cost`: the cost model the policies see, when it is not the clock's. `max_tokens_is_output`:
@@ -330,20 +328,6 @@ def run_metrics(records: Sequence[RequestRecord], counters: Mapping[str, Any],
     return m
 
 
-def per_request_data(records: Sequence[RequestRecord]) -> dict[str, Any]:
-    """Compact per-request data for CDF plots: TTFT, normalized latency, breakdown per request, and
-    the pooled TBT distribution as quantiles (every gap would be ~N x output-length numbers)."""
-    def col(values: Sequence[float | None]) -> list[float | None]:
-        return [None if v is None else float(f"{v:.6g}") for v in values]
-
-    tbt = np.array([g for r in records for g in r.tbt])
-    return {"ttft": col([r.ttft for r in records]), "normalized_latency": col([r.normalized_latency for r in records]),
-            "output_tokens": [r.output_tokens for r in records], "queue_s": col([r.queue_s for r in records]),
-            "exec_s": col([r.exec_s for r in records]),
-            "tbt_cdf": {"q": col(TBT_CDF_POINTS.tolist()),
-                        "v": col(np.quantile(tbt, TBT_CDF_POINTS).tolist()) if len(tbt) else []}}
-
-
 # ---------------------------------------------------------------- the sweep
 
 def mean_by_point(runs: Sequence[Mapping[str, Any]], x_key: str, metric: str) -> dict[str, list[tuple[float, float | None]]]:
@@ -384,7 +368,7 @@ def summary_for(runs: Sequence[Mapping[str, Any]], spec: SweepSpec, slo: float,
 def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = None,
               cache: DatasetCache | None = None,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every (seed, rate or load, policy) on the simulator, as a DESIGN.md results file.
+    """Every (seed, rate or load, policy) on the simulator, as a docs/DESIGN.md results file.
 
     Each run keeps its per-request data under "per_request" (drop it before writing a compact
     file). `progress(description)` is called once per finished simulation, saturation runs

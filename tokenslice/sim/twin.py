@@ -6,12 +6,12 @@ length, arrival times, output lengths sent as max_tokens with ignore_eos) is rep
 - real: `repeats` times against `tokenslice serve` (a child process per policy, or `--url`), timed
   by the HTTP client (`bench/client.py`); the spread over repeats is the real engine's own noise;
 - simulated: once per policy on `Engine.simulated` with the machine's profile, the same scheduler
-  settings and KV pool, and the serving path (HTTP in and out, `bench/serving_path.py`) measured
+  settings and KV pool, and the serving path (HTTP in and out, `sim/serving_path.py`) measured
   on the server itself from lone requests and its step trace.
 
-Both sides are summarized by `bench.metrics.summarize` (DESIGN.md's definitions); the error is
+Both sides are summarized by `bench.metrics.summarize` (docs/DESIGN.md's definitions); the error is
 simulated / mean real - 1. The servers always write a step trace (`--step-trace`), which gives
-the serving path and the step-level comparison (`bench/trace_compare.py`).
+the serving path and the step-level comparison (`sim/trace_compare.py`).
 No torch here: the engine runs in the server, the profile (when none is given) in a child process.
 """
 from __future__ import annotations
@@ -32,10 +32,10 @@ import numpy as np
 from tokenslice.bench.client import SYNTHETIC_ID_LOW, SYNTHETIC_ID_SPAN, ClientConfig, ClientRecord, LoadClient, \
     RunResult, synthetic_prompt_ids, wait_idle
 from tokenslice.bench.metrics import RequestRecord, percentile, summarize
-from tokenslice.bench.serving_path import ServingPath
-from tokenslice.bench.simulate import SIMULATE_MAX_BATCH_SIZE, ample_kv_blocks, simulate_run
+from tokenslice.sim.serving_path import ServingPath
+from tokenslice.sim.simulate import SIMULATE_MAX_BATCH_SIZE, ample_kv_blocks, simulate_run
 from tokenslice.bench.sweep import ServerProcess, ServerSpec, warm_up
-from tokenslice.bench.trace_compare import admission_summary, admissions, egress_samples, measure_path, \
+from tokenslice.sim.trace_compare import admission_summary, admissions, egress_samples, measure_path, \
     path_under_load, steps_between, trace_summary
 from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload
 from tokenslice.config import CacheConfig, ModelConfig, SchedulerConfig, field_from

@@ -18,7 +18,7 @@ import math
 import random
 from collections import deque
 
-from tokenslice.exec.sim import Clock, SimulatedExecutor
+from tokenslice.sim.executor import Clock, SimulatedExecutor
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import CostModel
 

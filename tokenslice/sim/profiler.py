@@ -13,7 +13,7 @@ one copy and once as N per-block copies, fitted with `fit_transfer` (bytes / ban
 overhead).
 
 `profile_from_traces` fits the same model on step traces of real runs instead (`--from-trace`,
-engine/trace_fit.py), with the engine loop's own per-step time as terms of its own.
+sim/trace_fit.py), with the engine loop's own per-step time as terms of its own.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ import numpy as np
 import torch
 
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from tokenslice.engine.profile_options import ProfileOptions
+from tokenslice.sim.profile_options import ProfileOptions
 from tokenslice.engine.step_trace import load_step_trace
-from tokenslice.engine.trace_fit import fit_steps, grid_measurements, traced_steps
-from tokenslice.exec.sim import SimulatedExecutor
+from tokenslice.sim.trace_fit import fit_steps, grid_measurements, traced_steps
+from tokenslice.sim.executor import SimulatedExecutor
 from tokenslice.kv.manager import KVManager
 from tokenslice.plan import SeqSlice, StepPlan
 from tokenslice.predict.cost import (PROFILE_FEATURES, BatchShape, ProfileCostModel, TransferSpec, fit_profile,
@@ -457,7 +457,7 @@ def calibrated(cost: ProfileCostModel, cal: dict[str, float]) -> ProfileCostMode
 
 
 def profile_from_traces(opts: ProfileOptions, traces: Sequence[str | Path]) -> ProfileCostModel:
-    """A profile fitted on step traces the engine recorded running `opts.model` (engine/trace_fit.py).
+    """A profile fitted on step traces the engine recorded running `opts.model` (sim/trace_fit.py).
     The model's architecture, dtype and block size give the bytes a KV block moves; the host link
     is measured here unless the traces hold enough synchronous swaps to fit it on."""
     from tokenslice.model.loader import load_arch, resolve_device, resolve_dtype

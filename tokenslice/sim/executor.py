@@ -1,4 +1,4 @@
-"""SimulatedExecutor: runs no model; each step costs what the CostModel says (DESIGN.md).
+"""SimulatedExecutor: runs no model; each step costs what the CostModel says (docs/DESIGN.md).
 
 Sampled tokens are a placeholder id: simulated requests end at the trace's output length
 (`Request.eos_after`, a simulated EOS), as serving papers replay datasets.

@@ -3,7 +3,7 @@
 A client of `tokenslice serve` sees more than the engine's steps: its request crosses HTTP
 parsing, tokenization and the ZMQ hop to the engine core before the engine can schedule it
 (ingress), and every token crosses the hop back, detokenization and SSE framing before the
-client reads it (egress). Measured from step traces by `bench/trace_compare.py`; zero (the
+client reads it (egress). Measured from step traces by `sim/trace_compare.py`; zero (the
 defaults) leaves a simulation exactly as it was, so simulated sweeps keep their results.
 
 The engine sees a request `ingress_s` after the client sent it, and the client sees each token

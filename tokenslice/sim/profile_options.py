@@ -1,4 +1,4 @@
-"""What `tokenslice profile` measures (engine/profiler.py), kept free of torch so the CLI can
+"""What `tokenslice profile` measures (sim/profiler.py), kept free of torch so the CLI can
 read its defaults without loading it."""
 from __future__ import annotations
 

@@ -22,9 +22,9 @@ import numpy as np
 
 from tokenslice.bench.client import ClientRecord
 from tokenslice.bench.metrics import RequestRecord
-from tokenslice.bench.serving_path import ServingPath
+from tokenslice.sim.serving_path import ServingPath
 from tokenslice.engine.step_trace import StepRecord
-from tokenslice.engine.trace_fit import l1_nnls
+from tokenslice.sim.trace_fit import l1_nnls
 
 # Step starts and client stamps come from two processes' clocks read at different moments:
 # allow this much disorder when matching a sent request to the step that ran it.
