@@ -31,11 +31,13 @@ import json
 import time
 from pathlib import Path
 
-from tokenslice.bench.client import ClientConfig, LoadClient, wait_idle
+from tokenslice.bench.client import LoadClient
+from tokenslice.bench.client_config import ClientConfig
+from tokenslice.bench.server_counters import wait_idle
 from tokenslice.bench.metrics import SLO, summarize
 from tokenslice.bench.report import format_summary, format_table, plot_results
 from tokenslice.bench.sweep import SLO_DECODE_FACTOR, BenchSpec, ServerSpec, run_bench, running_server
-from tokenslice.bench.workloads import DatasetCache
+from tokenslice.bench.datasets import DatasetCache
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

@@ -21,10 +21,12 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tokenslice.bench.client import ClientConfig, LoadClient, wait_idle
+from tokenslice.bench.client import LoadClient
+from tokenslice.bench.client_config import ClientConfig
+from tokenslice.bench.server_counters import wait_idle
 from tokenslice.bench.metrics import summarize
 from tokenslice.bench.sweep import BenchSpec, ServerSpec, run_bench, running_server
-from tokenslice.bench.workloads import DatasetCache
+from tokenslice.bench.datasets import DatasetCache
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT.parent / "shared" / "models" / "stories260k"

@@ -47,7 +47,7 @@ import numpy as np
 
 from multiturn import Turn, play_sessions, sessions
 from sched_common import RESULTS, code_version
-from tokenslice.bench.workloads import PriorityPattern, PriorityUpdates
+from tokenslice.bench.priority_patterns import PriorityPattern, PriorityUpdates
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.sim.executor import offload_block_bytes

@@ -31,10 +31,14 @@ import numpy as np
 import torch
 
 from tokenslice import LLM, SamplingParams
-from tokenslice.bench.client import ClientConfig, LoadClient, synthetic_prompt_ids, wait_idle
+from tokenslice.bench.client import LoadClient
+from tokenslice.bench.client_config import ClientConfig
+from tokenslice.bench.request_stream import synthetic_prompt_ids
+from tokenslice.bench.server_counters import wait_idle
 from tokenslice.bench.metrics import summarize
 from tokenslice.bench.sweep import ServerSpec, running_server
-from tokenslice.bench.workloads import WorkloadRequest, arrival_times
+from tokenslice.bench.arrivals import arrival_times
+from tokenslice.bench.workloads import WorkloadRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT.parent / "shared" / "models" / "stories260k"

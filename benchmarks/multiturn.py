@@ -17,7 +17,9 @@ from typing import Any
 import numpy as np
 from transformers import AutoTokenizer
 
-from tokenslice.bench.workloads import PriorityUpdates, arrival_times, load_conversations
+from tokenslice.bench.arrivals import arrival_times
+from tokenslice.bench.datasets import load_conversations
+from tokenslice.bench.priority_patterns import PriorityUpdates
 from tokenslice.engine.engine import Engine
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.request import Request, SamplingParams

@@ -28,9 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenslice.bench.client import ClientConfig, LoadClient, wait_idle
+from tokenslice.bench.client import LoadClient
+from tokenslice.bench.client_config import ClientConfig
+from tokenslice.bench.server_counters import wait_idle
 from tokenslice.bench.sweep import ServerSpec, running_server
-from tokenslice.bench.workloads import DatasetCache, PriorityPattern, WorkloadRequest, arrival_times
+from tokenslice.bench.arrivals import arrival_times
+from tokenslice.bench.datasets import DatasetCache
+from tokenslice.bench.priority_patterns import PriorityPattern
+from tokenslice.bench.workloads import WorkloadRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

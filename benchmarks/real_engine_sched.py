@@ -22,7 +22,8 @@ import torch
 
 from tokenslice.bench.metrics import summarize
 from tokenslice.sim.simulate import records_from_requests
-from tokenslice.bench.workloads import DatasetCache, make_workload
+from tokenslice.bench.datasets import DatasetCache
+from tokenslice.bench.workloads import make_workload
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.sim.profile_options import ProfileOptions

@@ -23,7 +23,7 @@ import numpy as np
 from tokenslice.bench.metrics import SLO, max_rate_detail, results_file
 from tokenslice.sim.simulate import SweepSpec, ample_kv_blocks, fcfs_saturation_rps, per_request_data, \
     run_metrics, simulate_run, summary_for
-from tokenslice.bench.workloads import DatasetCache
+from tokenslice.bench.datasets import DatasetCache
 from tokenslice.predict.cost import CostModel, load_cost_model
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import make_policy

@@ -50,7 +50,7 @@ import numpy as np
 
 from tokenslice.sim.trace_compare import fit_egress, ingress_gap, steps_between
 from tokenslice.sim.twin import TwinPoint, TwinSpec, profile_in_child, run_twin
-from tokenslice.bench.workloads import DatasetCache
+from tokenslice.bench.datasets import DatasetCache
 from tokenslice.config import CacheConfig
 from tokenslice.engine.step_trace import StepTraceWriter, load_step_trace
 from tokenslice.sim.trace_fit import evaluate_steps, traced_steps

@@ -43,7 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama24m import STORIES, build_llama24m  # noqa: E402
 
 from tokenslice import LLM, SamplingParams  # noqa: E402
-from tokenslice.bench.client import ClientConfig, LoadClient, synthetic_prompt_ids, wait_idle  # noqa: E402
+from tokenslice.bench.client import LoadClient  # noqa: E402
+from tokenslice.bench.client_config import ClientConfig  # noqa: E402
+from tokenslice.bench.request_stream import synthetic_prompt_ids  # noqa: E402
+from tokenslice.bench.server_counters import wait_idle  # noqa: E402
 from tokenslice.bench.sweep import ServerProcess, ServerSpec  # noqa: E402
 from tokenslice.bench.workloads import WorkloadRequest  # noqa: E402
 from tokenslice.config import CpuConfig  # noqa: E402

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from engine_vs_hf import build_checkpoint
-from tokenslice.bench.workloads import DatasetCache, make_workload
+from tokenslice.bench.datasets import DatasetCache
+from tokenslice.bench.workloads import make_workload
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.sim.profile_options import ProfileOptions

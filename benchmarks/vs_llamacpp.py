@@ -47,7 +47,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama24m import STORIES, build_llama24m  # noqa: E402
 
-from tokenslice.bench.client import synthetic_prompt_ids  # noqa: E402
+from tokenslice.bench.request_stream import synthetic_prompt_ids  # noqa: E402
 from tokenslice.bench.sweep import ServerProcess, ServerSpec, free_port  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built

@@ -23,11 +23,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serverkit import RunningServer, start_server, wait_idle
-from tokenslice.bench.client import ClientConfig, ClientRecord, LoadClient, counters_as_metrics, parse_counters
+from tokenslice.bench.client import LoadClient
+from tokenslice.bench.client_config import ClientConfig
+from tokenslice.bench.client_record import ClientRecord
+from tokenslice.bench.server_counters import counters_as_metrics, parse_counters
 from tokenslice.bench.metrics import SLO, summarize
 from tokenslice.bench.report import format_table, load_results
 from tokenslice.bench.sweep import BenchSpec, bench_summary, clearly_past, run_bench, running_server, ServerSpec
-from tokenslice.bench.workloads import DatasetCache, PriorityPattern, WorkloadRequest, make_workload
+from tokenslice.bench.datasets import DatasetCache
+from tokenslice.bench.priority_patterns import PriorityPattern
+from tokenslice.bench.workloads import WorkloadRequest, make_workload
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"

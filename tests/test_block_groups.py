@@ -5,7 +5,8 @@ tests/test_kv_swap_engine.py)."""
 from __future__ import annotations
 
 from tokenslice.sim.simulate import SweepSpec, simulate_run
-from tokenslice.bench.workloads import PriorityPattern, make_workload
+from tokenslice.bench.priority_patterns import PriorityPattern
+from tokenslice.bench.workloads import make_workload
 from tokenslice.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenslice.predict.cost import load_cost_model
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tokenslice.sim.simulate import SweepSpec, predict_lengths, run_sweep, simulate_run
-from tokenslice.bench.workloads import DatasetCache, make_workload
+from tokenslice.bench.datasets import DatasetCache
+from tokenslice.bench.workloads import make_workload
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.predict.cost import load_cost_model

@@ -13,7 +13,9 @@ import pytest
 from tokenslice.bench.metrics import METRIC_KEYS
 from tokenslice.sim.simulate import (SweepSpec, ample_kv_blocks, fcfs_saturation_rps, records_from_requests,
                                        run_sweep, simulate_run)
-from tokenslice.bench.workloads import DatasetCache, PriorityPattern, PriorityUpdates, make_workload
+from tokenslice.bench.datasets import DatasetCache
+from tokenslice.bench.priority_patterns import PriorityPattern, PriorityUpdates
+from tokenslice.bench.workloads import make_workload
 from tokenslice.cli import main
 from tokenslice.config import SchedulerConfig
 from tokenslice.predict.cost import load_cost_model

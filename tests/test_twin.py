@@ -116,7 +116,7 @@ def test_policies_can_see_another_cost_model_than_the_clock() -> None:
 
 
 def test_serving_path_read_off_lone_requests_and_their_steps() -> None:
-    from tokenslice.bench.client import ClientRecord
+    from tokenslice.bench.client_record import ClientRecord
     from tokenslice.sim.trace_compare import measure_path, trace_summary
     from tokenslice.engine.step_trace import StepRecord
 
@@ -160,7 +160,7 @@ def test_admissions_follow_each_simulated_request_to_its_prompt_step(tmp_path: P
 
 
 def test_serving_path_under_load_read_off_a_busy_trace() -> None:
-    from tokenslice.bench.client import ClientRecord
+    from tokenslice.bench.client_record import ClientRecord
     from tokenslice.sim.trace_compare import admissions, path_under_load
     from tokenslice.engine.step_trace import StepRecord
 
@@ -269,7 +269,7 @@ def test_simulated_requests_can_carry_max_tokens_as_the_http_client_sends_it() -
 
 
 def test_a_chunked_prompt_streams_out_from_its_last_chunk() -> None:
-    from tokenslice.bench.client import ClientRecord
+    from tokenslice.bench.client_record import ClientRecord
     from tokenslice.sim.trace_compare import admissions
     from tokenslice.engine.step_trace import StepRecord
 

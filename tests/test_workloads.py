@@ -10,11 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenslice.bench.workloads import (DEFAULT_PRIORITY_LEVELS, PRIORITY_PATTERNS, WORKLOAD_NAMES, DatasetCache,
-                                        LengthDist, PriorityPattern, PriorityUpdates, alpaca_pairs, arrival_times,
-                                        filter_lengths, load_conversations, load_workload, make_workload,
-                                        resolve_dataset, sample_indices, save_workload, scale_io_ratio,
-                                        sharegpt_first_pair, sharegpt_turns, workload_stats)
+from tokenslice.bench.arrivals import arrival_times
+from tokenslice.bench.datasets import (DatasetCache, alpaca_pairs, filter_lengths, load_conversations, resolve_dataset,
+                                       sharegpt_first_pair, sharegpt_turns)
+from tokenslice.bench.lengths import LengthDist, scale_io_ratio
+from tokenslice.bench.priority_patterns import (DEFAULT_PRIORITY_LEVELS, PRIORITY_PATTERNS, PriorityPattern,
+                                                PriorityUpdates)
+from tokenslice.bench.workloads import (WORKLOAD_NAMES, load_workload, make_workload, sample_indices, save_workload,
+                                        workload_stats)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 DATA = SHARED / "data"

@@ -373,7 +373,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from tokenslice.bench.client import ClientConfig
+    from tokenslice.bench.client_config import ClientConfig
     from tokenslice.bench.metrics import SLO
     from tokenslice.bench.report import format_summary, format_table, plot_results
     from tokenslice.bench.sweep import BenchSpec, ServerSpec, run_bench
@@ -440,7 +440,7 @@ BENCH_SERVER_FLAGS = ((SchedulerConfig, "max_batch_size"), (CacheConfig, "kv_cac
 
 def add_bench_subcommand(sub: Any) -> None:
     """`bench`: load over HTTP against our servers (one per policy) or any OpenAI-compatible URL."""
-    from tokenslice.bench.client import ENDPOINTS, PROMPT_FORMATS, ClientConfig
+    from tokenslice.bench.client_config import ENDPOINTS, PROMPT_FORMATS, ClientConfig
     from tokenslice.bench.sweep import BenchSpec
     from tokenslice.bench.workloads import WORKLOAD_NAMES
 

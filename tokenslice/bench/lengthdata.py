@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenslice.bench.workloads import DatasetCache
+from tokenslice.bench.datasets import DatasetCache
 
 TURNS = ("first", "all")
 

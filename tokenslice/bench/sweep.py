@@ -33,13 +33,17 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tokenslice.bench.client import ClientConfig, ClientRecord, LoadClient, RunResult, counters_as_metrics, \
-    wait_idle
+from tokenslice.bench.client import LoadClient, RunResult
+from tokenslice.bench.client_config import ClientConfig
+from tokenslice.bench.client_record import ClientRecord
+from tokenslice.bench.server_counters import counters_as_metrics, wait_idle
 from tokenslice.bench.metrics import COUNTER_KEYS, SLO, max_rate_detail, results_file, run_entry, summarize, \
     user_summary
 from tokenslice.bench.metrics import per_request_data
-from tokenslice.bench.workloads import PRIORITY_PATTERNS, DatasetCache, PriorityPattern, WorkloadRequest, \
-    check_user_shares, make_workload, parse_user_shares, resolve_dataset, workload_stats
+from tokenslice.bench.datasets import DatasetCache, resolve_dataset
+from tokenslice.bench.priority_patterns import PRIORITY_PATTERNS, PriorityPattern
+from tokenslice.bench.workloads import (WorkloadRequest, check_user_shares, make_workload, parse_user_shares,
+                                        workload_stats)
 from tokenslice.config import field_from
 
 SLO_DECODE_FACTOR = 10  # the paper protocol: SLO = 10x the decode iteration time

@@ -28,8 +28,10 @@ from tokenslice.bench.metrics import SLO, RequestRecord, per_request_data, max_r
     summarize, sweep_summary, user_summary
 from tokenslice.bench.record_state import StateRecorder
 from tokenslice.sim.serving_path import ServingPath
-from tokenslice.bench.workloads import PRIORITY_PATTERNS, DatasetCache, PriorityPattern, PriorityUpdates, \
-    WorkloadRequest, check_user_shares, make_workload, parse_user_shares, workload_stats
+from tokenslice.bench.datasets import DatasetCache
+from tokenslice.bench.priority_patterns import PRIORITY_PATTERNS, PriorityPattern, PriorityUpdates
+from tokenslice.bench.workloads import (WorkloadRequest, check_user_shares, make_workload, parse_user_shares,
+                                        workload_stats)
 from tokenslice.config import CacheConfig, SchedulerConfig, field_from
 from tokenslice.predict.cost import CostModel
 from tokenslice.request import Request

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenslice.bench.client import ClientRecord
+from tokenslice.bench.client_record import ClientRecord
 from tokenslice.bench.metrics import RequestRecord
 from tokenslice.sim.serving_path import ServingPath
 from tokenslice.engine.step_trace import StepRecord

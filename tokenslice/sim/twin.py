@@ -29,15 +29,19 @@ from typing import Any
 
 import numpy as np
 
-from tokenslice.bench.client import SYNTHETIC_ID_LOW, SYNTHETIC_ID_SPAN, ClientConfig, ClientRecord, LoadClient, \
-    RunResult, synthetic_prompt_ids, wait_idle
+from tokenslice.bench.client import LoadClient, RunResult
+from tokenslice.bench.client_config import ClientConfig
+from tokenslice.bench.client_record import ClientRecord
+from tokenslice.bench.request_stream import SYNTHETIC_ID_LOW, SYNTHETIC_ID_SPAN, synthetic_prompt_ids
+from tokenslice.bench.server_counters import wait_idle
 from tokenslice.bench.metrics import RequestRecord, percentile, summarize
 from tokenslice.sim.serving_path import ServingPath
 from tokenslice.sim.simulate import SIMULATE_MAX_BATCH_SIZE, ample_kv_blocks, simulate_run
 from tokenslice.bench.sweep import ServerProcess, ServerSpec, warm_up
 from tokenslice.sim.trace_compare import admission_summary, admissions, egress_samples, measure_path, \
     path_under_load, steps_between, trace_summary
-from tokenslice.bench.workloads import DatasetCache, WorkloadRequest, make_workload
+from tokenslice.bench.datasets import DatasetCache
+from tokenslice.bench.workloads import WorkloadRequest, make_workload
 from tokenslice.config import CacheConfig, ModelConfig, SchedulerConfig, field_from
 from tokenslice.engine.step_trace import load_step_trace
 from tokenslice.predict.cost import CostModel, load_cost_model
