@@ -49,7 +49,7 @@ from multiturn import Turn, play_sessions, sessions
 from sched_common import RESULTS, code_version
 from tokenslice.bench.priority_patterns import PriorityPattern, PriorityUpdates
 from tokenslice.config import SchedulerConfig
-from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
 from tokenslice.sim.executor import offload_block_bytes
 from tokenslice.predict.cost import load_cost_model
 
@@ -82,7 +82,7 @@ def run_one(convs: list[list[Turn]], profile: str, kv_blocks: int, host_blocks: 
             pattern: str, freq: float, v: Variant, seed: int) -> dict[str, Any]:
     cost = load_cost_model(profile)
     cfg = SchedulerConfig(policy="priority", preemption=v.preemption, max_batch_size=MAX_BATCH)
-    eng = Engine.simulated(cfg, cost, kv_cache_blocks=kv_blocks, block_size=BLOCK, host_kv_blocks=host_blocks,
+    eng = simulated_engine(cfg, cost, kv_cache_blocks=kv_blocks, block_size=BLOCK, host_kv_blocks=host_blocks,
                            max_model_len=CONTEXT, enable_prefix_caching=v.prefix_caching, block_groups=v.block_groups)
     updates = PriorityUpdates(PriorityPattern(pattern, freq, seed=seed))
     r = play_sessions(eng, convs, conv_rate, THINK_S, seed, updates)

@@ -39,7 +39,8 @@ import torch.multiprocessing as mp
 from engine_vs_hf import NEW, PROMPT, build_checkpoint
 from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import SchedulerConfig
-from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
+from tokenslice.sim.replay import replay
 from tokenslice.sim.profile_options import ProfileOptions
 from tokenslice.sim.profiler import run_profile
 from tokenslice.sim.pipeline import PipelinedSimulatedExecutor
@@ -100,9 +101,9 @@ def stage_cost(profile: ProfileCostModel, sends: list[tuple[int, int, float]]) -
 def simulate(cost: CostModel, requests: int, new: int, batch: int, in_flight: int) -> dict[str, Any]:
     cfg = SchedulerConfig(policy="fcfs", preemption="recompute", max_batch_size=batch)
     blocks = requests * (PROMPT + new) // 16 + 16
-    eng = Engine.simulated(cfg, cost, kv_cache_blocks=blocks, block_size=16, max_in_flight=in_flight)
+    eng = simulated_engine(cfg, cost, kv_cache_blocks=blocks, block_size=16, max_in_flight=in_flight)
     trace = [WorkloadRequest(f"r{i}", 0.0, None, PROMPT, new) for i in range(requests)]
-    reqs = eng.replay(trace)
+    reqs = replay(eng, trace)
     assert all(r.is_finished for r in reqs)
     ex = eng.executor
     assert isinstance(ex, PipelinedSimulatedExecutor)

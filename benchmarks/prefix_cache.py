@@ -18,7 +18,7 @@ from typing import Any
 
 from multiturn import Turn, play_sessions, sessions
 from tokenslice.config import SchedulerConfig
-from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
 from tokenslice.predict.cost import load_cost_model
 
 PROFILE = "opt-13b@a100-40gb"
@@ -29,7 +29,7 @@ def run(convs: list[list[Turn]], preemption: str, caching: bool, rate: float, th
         kv_blocks: int) -> dict[str, Any]:
     cost = load_cost_model(PROFILE)
     cfg = SchedulerConfig(policy="fcfs", preemption=preemption, max_batch_size=64)
-    eng = Engine.simulated(cfg, cost, kv_cache_blocks=kv_blocks, host_kv_blocks=4 * kv_blocks,
+    eng = simulated_engine(cfg, cost, kv_cache_blocks=kv_blocks, host_kv_blocks=4 * kv_blocks,
                            max_model_len=CONTEXT, enable_prefix_caching=caching)
     r = play_sessions(eng, convs, rate, think_s)
     later = [q.metrics.ttft for q in r.requests if r.turn_of[q.request_id][1] >= 1]

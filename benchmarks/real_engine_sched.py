@@ -26,6 +26,8 @@ from tokenslice.bench.datasets import DatasetCache
 from tokenslice.bench.workloads import make_workload
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
+from tokenslice.sim.replay import replay
 from tokenslice.sim.profile_options import ProfileOptions
 from tokenslice.sim.profiler import run_profile
 from tokenslice.predict.cost import load_cost_model
@@ -64,7 +66,7 @@ def real_engine(policy: str, profile: str | None, blocks: int, **scheduler_chang
 
 
 def run(engine: Engine, trace: list) -> dict:
-    reqs = engine.replay(trace)
+    reqs = replay(engine, trace)
     m = summarize(records_from_requests(reqs))
     m["steps"] = engine.num_steps
     return m
@@ -95,7 +97,7 @@ def main() -> None:
     blocks = ample_blocks(args.num_requests)
     eng = real_engine("fcfs", str(profile_path), blocks)
     t = time.perf_counter()
-    eng.replay(burst)
+    replay(eng, burst)
     sat = len(burst) / (time.perf_counter() - t)
     rate = args.load * sat
     print(f"real fcfs saturation: {sat:.1f} req/s; running at rho = {args.load} -> {rate:.1f} req/s, CV = {args.cv}")
@@ -105,7 +107,7 @@ def main() -> None:
     rows = []
     for policy in POLICIES:
         real = run(real_engine(policy, str(profile_path), blocks), trace)
-        sim_engine = Engine.simulated(SchedulerConfig(policy=policy, max_batch_size=BATCH), cost, kv_cache_blocks=blocks)
+        sim_engine = simulated_engine(SchedulerConfig(policy=policy, max_batch_size=BATCH), cost, kv_cache_blocks=blocks)
         sim = run(sim_engine, trace)
         rows.append({"policy": policy, "real": real, "sim": sim})
     fcfs = rows[0]["real"]

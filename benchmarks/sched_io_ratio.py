@@ -157,13 +157,14 @@ def prefill_stalls(ratio: float, policy: str, seed: int, n: int, rate: float) ->
     decode waits (step time - the same decodes' step alone). Decode-only steps are skipped in bulk
     by the simulator and never reach execute(); they have no prefill, so nothing is missed."""
     from tokenslice.sim.simulate import ample_kv_blocks
-    from tokenslice.engine.engine import Engine
+    from tokenslice.sim.engine import simulated_engine
+    from tokenslice.sim.replay import replay
     from tokenslice.predict.cost import BatchShape
 
     spec = make_spec("sharegpt", policies=[policy], rates=[rate], io_ratio=ratio, seeds=[seed], num_requests=n)
     wl = spec.make(seed, rate, CACHE)
     slo = 10 * COST.min_iteration_seconds()
-    engine = Engine.simulated(spec.scheduler_config(policy, slo), COST,
+    engine = simulated_engine(spec.scheduler_config(policy, slo), COST,
                               kv_cache_blocks=ample_kv_blocks(spec.make(seed, None, CACHE), 16))
     ex = engine.executor
     inner = ex.execute
@@ -197,7 +198,7 @@ def prefill_stalls(ratio: float, policy: str, seed: int, n: int, rate: float) ->
         return result
 
     ex.execute = execute
-    reqs = engine.replay(list(wl))
+    reqs = replay(engine, list(wl))
     out_tokens = sum(r.num_output_tokens for r in reqs)
     # Cross-check against the sweep's run of the same (ratio, policy, seed): must be identical.
     acc["mean_normalized_latency"] = float(np.mean([(r.metrics.finish_time - r.metrics.arrival_time)

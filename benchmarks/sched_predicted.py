@@ -15,7 +15,7 @@ are re-run here: their numbers differ from sched_steady_state.py's, which draw f
 The simulator's predictor is static (SweepSpec.length_predictor, `tokenslice simulate
 --length-predictor`): predictions at arrival from the prompt text, no online updates.
 
-No length leak: trace replay (Engine.replay, which the simulator runs) sends each request with
+No length leak: trace replay (sim/replay.py, which the simulator runs) sends each request with
 max_tokens = the context left after the prompt, as a client that does not know the answer's length
 does, and ends it at its trace length as at an EOS (Request.eos_after), so srpt-predicted's cap on
 its predictions says nothing about the truth. `srpt-predicted+truth` (the policy given the true
@@ -55,6 +55,7 @@ from tokenslice.bench.metrics import SLO, results_file, run_entry
 from tokenslice.sim.simulate import SweepSpec, ample_kv_blocks, fcfs_saturation_rps, predict_lengths, run_metrics, \
     simulate_run
 from tokenslice.bench.workloads import WorkloadRequest
+from tokenslice.sim.replay import replay
 
 WORK = Path("/tmp/tokenslice-predicted")
 GPT2 = SHARED / "tokenizers" / "gpt2"
@@ -556,7 +557,7 @@ def real(n: int, load: float, cv: float, seed: int, profile: str, repeats: int) 
     quality = predictor_quality(at_once)
     eng = res_mod.real_engine("fcfs", profile, blocks)
     t = time.perf_counter()
-    eng.replay(burst)
+    replay(eng, burst)
     sat = len(burst) / (time.perf_counter() - t)
     eng.close()
     rate = load * sat
@@ -568,7 +569,7 @@ def real(n: int, load: float, cv: float, seed: int, profile: str, repeats: int) 
             policy, how, changes = VARIANTS[label]
             eng = res_mod.real_engine(policy, profile, blocks, **changes)
             t = time.perf_counter()
-            reqs = eng.replay(variant_workload(tr, how))
+            reqs = replay(eng, variant_workload(tr, how))
             wall = time.perf_counter() - t
             eng.close()
             m = summarize(records_from_requests(reqs))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tokenslice.bench.workloads import make_workload
 from tokenslice.config import SchedulerConfig
-from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
+from tokenslice.sim.replay import replay
 from tokenslice.predict.cost import load_cost_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -26,13 +27,13 @@ def whole_run(policy: str, n: int, load: float) -> None:
                 length_filter=True, seed=0)
     # Saturation of fcfs on a short burst sets the rate; the timed run is then at `load` of it.
     burst = make_workload("sharegpt", num_requests=2000, rate=None, **base)
-    sat_eng = Engine.simulated(SchedulerConfig(policy="fcfs", max_batch_size=16), cost, kv_cache_blocks=1 << 20)
-    sat_eng.replay(burst)
+    sat_eng = simulated_engine(SchedulerConfig(policy="fcfs", max_batch_size=16), cost, kv_cache_blocks=1 << 20)
+    replay(sat_eng, burst)
     rate = load * len(burst) / sat_eng.clock.now()
     work = make_workload("sharegpt", num_requests=n, rate=rate, cv=1.0, **base)
-    eng = Engine.simulated(SchedulerConfig(policy=policy, max_batch_size=16), cost, kv_cache_blocks=1 << 20)
+    eng = simulated_engine(SchedulerConfig(policy=policy, max_batch_size=16), cost, kv_cache_blocks=1 << 20)
     t = time.perf_counter()
-    reqs = eng.replay(work)
+    reqs = replay(eng, work)
     wall = time.perf_counter() - t
     tokens = sum(r.num_output_tokens for r in reqs)
     print(f"{policy}: {n} ShareGPT requests at {rate:.2f} req/s (load {load}), {tokens} output tokens, "
@@ -46,7 +47,7 @@ def decision_time(policy: str, live: int, trials: int = 200, users: int = 8) -> 
     cost = load_cost_model("opt-13b@a100-40gb")
     work = make_workload("synthetic-lognormal", num_requests=live, rate=None, seed=1, input_len=200, output_len=300,
                          num_users=users)
-    eng = Engine.simulated(SchedulerConfig(policy=policy, max_batch_size=16), cost, kv_cache_blocks=1 << 22)
+    eng = simulated_engine(SchedulerConfig(policy=policy, max_batch_size=16), cost, kv_cache_blocks=1 << 22)
     rng = random.Random(1)
     system = [rng.randrange(1, 50_000) for _ in range(64)]
     for w in work:

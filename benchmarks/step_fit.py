@@ -27,6 +27,7 @@ from tokenslice.bench.datasets import DatasetCache
 from tokenslice.bench.workloads import make_workload
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.replay import replay
 from tokenslice.sim.profile_options import ProfileOptions
 from tokenslice.sim.profiler import profile_from_traces, run_profile
 from tokenslice.sim.trace_fit import describe_errors, evaluate_trace
@@ -66,7 +67,7 @@ def record(model: Path, setup: Setup, policy: str, seed: int, path: Path) -> flo
     engine = Engine.from_config(cfg)
     try:
         t = time.perf_counter()
-        engine.replay(workload(setup, seed))
+        replay(engine, workload(setup, seed))
         return time.perf_counter() - t
     finally:
         engine.close()

@@ -290,11 +290,11 @@ def test_fastserve_fig11b_setting_fits() -> None:
 
 def test_simulator_refuses_model_that_does_not_fit() -> None:
     from tokenslice.config import SchedulerConfig
-    from tokenslice.engine.engine import Engine
+    from tokenslice.sim.engine import simulated_engine
 
     with pytest.raises(ValueError, match="opt-66b@a100-40gb does not fit"):
-        Engine.simulated(SchedulerConfig(policy="fcfs"), load_cost_model("opt-66b@a100-40gb"), kv_cache_blocks=64)
-    Engine.simulated(SchedulerConfig(policy="fcfs"), load_cost_model("opt-66b@a100-40gb:tp4"), kv_cache_blocks=64)
+        simulated_engine(SchedulerConfig(policy="fcfs"), load_cost_model("opt-66b@a100-40gb"), kv_cache_blocks=64)
+    simulated_engine(SchedulerConfig(policy="fcfs"), load_cost_model("opt-66b@a100-40gb:tp4"), kv_cache_blocks=64)
 
 
 def test_pipeline_stages_split_layers_and_cross_nodes() -> None:

@@ -12,6 +12,8 @@ from test_scheduler import fingerprint
 from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import SchedulerConfig, parse_vtc_weights
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
+from tokenslice.sim.replay import replay
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.request import InvalidRequestError, Request, RequestState, SamplingParams
 from tokenslice.sched.registry import make_policy
@@ -20,7 +22,7 @@ COST = load_cost_model("opt-13b@a100-40gb")
 
 
 def engine(policy: str, batch: int = 1, blocks: int = 100_000, **cfg) -> Engine:
-    eng = Engine.simulated(SchedulerConfig(policy=policy, max_batch_size=batch, **cfg), COST, kv_cache_blocks=blocks)
+    eng = simulated_engine(SchedulerConfig(policy=policy, max_batch_size=batch, **cfg), COST, kv_cache_blocks=blocks)
     eng.fast_forward = False
     return eng
 
@@ -92,7 +94,7 @@ def trace(n: int, seed: int, users: int = 3) -> list[WorkloadRequest]:
 
 
 def test_trace_priorities_replay_unlabelled_under_other_policies() -> None:
-    reqs = engine("fcfs", batch=8).replay(trace(10, seed=1))
+    reqs = replay(engine("fcfs", batch=8), trace(10, seed=1))
     assert all(r.priority == 0 and r.finish_reason == "stop" for r in reqs)
 
 
@@ -104,7 +106,7 @@ def test_fast_forward_is_exact(policy: str, blocks: int) -> None:
     for ff in (False, True):
         eng = engine(policy, batch=8, blocks=blocks, vtc_weights="u0=2,u1=0.5")
         eng.fast_forward = ff
-        runs.append(fingerprint(eng.replay(items)))
+        runs.append(fingerprint(replay(eng, items)))
         if policy == "vtc":
             assert not eng.scheduler.policy.counters  # idle at the end: counters restart
     assert runs[0] == runs[1]

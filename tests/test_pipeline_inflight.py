@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from tokenslice.config import PREEMPTION_MODES, SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.request import SamplingParams, TokenLogprobs
@@ -66,7 +67,7 @@ class PipelinedExecutor:
 def _pipelined(policy: str, mode: str, depth: int, device: int, host: int) -> tuple[Engine, PipelinedExecutor]:
     cfg = SchedulerConfig(policy=policy, preemption=mode, max_batch_size=3, max_tokens_per_step=48,
                           starvation_limit_s=0.05)
-    eng = Engine.simulated(cfg, COST, kv_cache_blocks=device, block_size=4, host_kv_blocks=host)
+    eng = simulated_engine(cfg, COST, kv_cache_blocks=device, block_size=4, host_kv_blocks=host)
     eng.fast_forward = False
     ex = PipelinedExecutor(depth, eng.scheduler)
     eng.executor, eng.max_in_flight = ex, depth

@@ -14,6 +14,8 @@ from tokenslice.bench.datasets import DatasetCache
 from tokenslice.bench.workloads import make_workload
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
+from tokenslice.sim.replay import replay
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.predict.length import LengthPredictor, PredictorConfig
 from tokenslice.bench.lengthdata import load_examples
@@ -91,8 +93,8 @@ def test_srpt_predicted_runs_to_completion_on_predictions(held_out: Path, predic
         assert r["num_requests"] == 40 and r["metrics"]["mean_normalized_latency"] > 0
     # The predictions reach the policy: the simulator's requests carry them, and every one finishes.
     wl = s.make(0, 3.0, DatasetCache())
-    eng = Engine.simulated(s.scheduler_config("srpt-predicted", 0.2), COST, kv_cache_blocks=10_000)
-    done = eng.replay(wl)
+    eng = simulated_engine(s.scheduler_config("srpt-predicted", 0.2), COST, kv_cache_blocks=10_000)
+    done = replay(eng, wl)
     assert [r.predicted_output_tokens for r in done] == [w.predicted_output_tokens for w in wl]
     assert all(r.is_finished and r.num_output_tokens == w.output_len for r, w in zip(done, wl, strict=True))
     # simulate_run predicts too when given the directory (the items came without predictions).
@@ -121,7 +123,7 @@ def test_engine_predicts_at_arrival_and_learns_at_finish(predictor_dir: Path, tm
                                                  length_predictor=str(path)))
     engine = Engine.from_config(cfg)
     try:
-        pred = engine.length_predictor
+        pred = engine.lengths.predictor if engine.lengths is not None else None
         assert pred is not None and pred.num_records == SEED_RECORDS
         prompts = ["Once upon a time there was a little dog.", "Lily liked to play in the park with her ball.",
                    "Tom saw a big red bird."]

@@ -171,7 +171,8 @@ def test_second_turn_starts_from_the_cache(reference, preemption):
 
 
 def test_flag_and_option_default_on() -> None:
-    from tokenslice.cli import build_parser, engine_config_from_args
+    from tokenslice.cli import build_parser
+    from tokenslice.cli.args import engine_config_from_args
     from tokenslice.config import EngineConfig
 
     def cache(*flags: str):
@@ -318,7 +319,8 @@ def test_simulator_shares_real_prompt_ids_only() -> None:
     from tokenslice.sim.simulate import simulate_run
     from tokenslice.bench.workloads import WorkloadRequest
     from tokenslice.config import SchedulerConfig
-    from tokenslice.engine.engine import Engine
+    from tokenslice.sim.engine import simulated_engine
+    from tokenslice.sim.replay import replay
     from tokenslice.predict.cost import load_cost_model
 
     cost = load_cost_model("opt-13b@a100-40gb")
@@ -326,8 +328,8 @@ def test_simulator_shares_real_prompt_ids_only() -> None:
     real = [WorkloadRequest(f"r{i}", 5.0 * i, None, 70, 8, prompt_token_ids=shared + [100 + i] * 6) for i in range(3)]
     placeholder = [WorkloadRequest(f"p{i}", 5.0 * i, None, 70, 8) for i in range(3)]
     for trace, hits in ((real, 2 * 64), (placeholder, 0)):
-        eng = Engine.simulated(SchedulerConfig(), cost, kv_cache_blocks=64)
-        eng.replay(trace)
+        eng = simulated_engine(SchedulerConfig(), cost, kv_cache_blocks=64)
+        replay(eng, trace)
         assert eng.scheduler.stats.prefix_cache_device_hits == hits
     def first_tokens(caching: bool) -> list[float]:
         records, _ = simulate_run(cost, real, SchedulerConfig(), 64, enable_prefix_caching=caching)

@@ -19,6 +19,8 @@ from tokenslice import LLM, SamplingParams
 from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
+from tokenslice.sim.replay import replay
 from tokenslice.engine.step_trace import StepRecord, load_step_trace
 from tokenslice.sim.trace_fit import evaluate_steps, evaluate_trace, fit_steps, grid_measurements, traced_steps
 from tokenslice.predict.cost import (PROFILE_FEATURES, BatchShape, LoopShape, ProfileCostModel, TransferSpec,
@@ -104,7 +106,7 @@ def test_loop_time_counts_live_requests_and_idle_gaps_are_left_out() -> None:
 
 def _steps(engine: Engine, n: int, output_len: int) -> list:
     trace = [WorkloadRequest(f"r{i}", 0.001 * i, None, 8 + i, output_len) for i in range(n)]
-    return engine.replay(trace)
+    return replay(engine, trace)
 
 
 def test_simulator_clock_counts_the_loop_time() -> None:
@@ -113,20 +115,20 @@ def test_simulator_clock_counts_the_loop_time() -> None:
     with_loop = ProfileCostModel(FORWARD, LINK, 1280, loop=LOOP)
     without = ProfileCostModel(FORWARD, LINK, 1280)
     cfg = SchedulerConfig(policy="fcfs", max_batch_size=4)
-    (req,) = _steps(Engine.simulated(cfg, with_loop, kv_cache_blocks=64), 1, 5)
+    (req,) = _steps(simulated_engine(cfg, with_loop, kv_cache_blocks=64), 1, 5)
     prefill = BatchShape.from_lengths(prefill=[(8, 0)])
     expected = with_loop.iteration_seconds(prefill) + with_loop.loop_seconds(LoopShape(1, 1, 1))
     for ctx in range(9, 13):
         expected += with_loop.iteration_seconds(BatchShape.from_lengths(decode=[ctx]))
         expected += with_loop.loop_seconds(LoopShape(1, 1, 0))
     assert req.metrics.finish_time == pytest.approx(expected, rel=1e-12)
-    (plain,) = _steps(Engine.simulated(cfg, without, kv_cache_blocks=64), 1, 5)
+    (plain,) = _steps(simulated_engine(cfg, without, kv_cache_blocks=64), 1, 5)
     assert plain.metrics.finish_time == pytest.approx(expected - with_loop.loop_seconds(LoopShape(1, 1, 1))
                                                       - 4 * with_loop.loop_seconds(LoopShape(1, 1, 0)), rel=1e-12)
 
     # Fast-forward repeats decode steps in bulk; with loop terms it stays exact.
     def finish_times(fast: bool) -> list[float]:
-        eng = Engine.simulated(cfg, with_loop, kv_cache_blocks=512)
+        eng = simulated_engine(cfg, with_loop, kv_cache_blocks=512)
         eng.fast_forward = fast
         return [r.metrics.finish_time for r in _steps(eng, 12, 40)]
 
@@ -142,7 +144,7 @@ def test_old_profile_loads_with_no_loop_time() -> None:
     cost = ProfileCostModel.from_dict(old)
     assert cost.loop == dict.fromkeys(cost.loop, 0.0) and not cost.has_loop_cost
     assert cost.loop_seconds(LoopShape(100, 16, 3)) == 0.0
-    assert Engine.simulated(SchedulerConfig(), cost, kv_cache_blocks=8).loop_cost is None
+    assert simulated_engine(SchedulerConfig(), cost, kv_cache_blocks=8).loop_cost is None
     assert ProfileCostModel.from_dict(json.loads(json.dumps(cost.to_dict()))).coefficients == cost.coefficients
 
 
@@ -171,7 +173,7 @@ def test_fit_and_evaluate_real_traces_through_the_cli(tmp_path: Path) -> None:
     assert 0 <= errors["all"].median <= errors["all"].p90 <= errors["all"].p99
 
     # The fitted profile drives the simulator.
-    sim = Engine.simulated(SchedulerConfig(policy="skip-join-mlfq", max_batch_size=8), cost, kv_cache_blocks=256)
+    sim = simulated_engine(SchedulerConfig(policy="skip-join-mlfq", max_batch_size=8), cost, kv_cache_blocks=256)
     assert sim.loop_cost is cost
     assert all(r.is_finished for r in _steps(sim, 10, 12))
 

@@ -8,9 +8,11 @@ from collections.abc import Iterable
 
 import pytest
 
-from tokenslice.cli import build_parser, policy_list
+from tokenslice.cli import build_parser
+from tokenslice.cli.args import policy_list
 from tokenslice.config import PREEMPTION_MODES, SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.request import Request, SamplingParams
 from tokenslice.sched.policy import LiveSetPolicy, Policy
@@ -30,7 +32,7 @@ class LongestPromptFirst(LiveSetPolicy):
 
 
 def _engine(policy: Policy, mode: str, blocks: int = 24) -> Engine:
-    eng = Engine.simulated(SchedulerConfig(policy="fcfs", preemption=mode, max_batch_size=4), COST,
+    eng = simulated_engine(SchedulerConfig(policy="fcfs", preemption=mode, max_batch_size=4), COST,
                            kv_cache_blocks=blocks, block_size=16, host_kv_blocks=4 * blocks)
     sched = eng.scheduler
     # Same scheduler, a policy the registry does not know.
@@ -73,7 +75,7 @@ def test_one_strategy_per_memory_mode() -> None:
     assert {m for m, s in PREEMPTION_STRATEGIES.items() if s.uses_host_tier} == {"reactive-swap", "proactive-swap"}
     assert [m for m, s in PREEMPTION_STRATEGIES.items() if not s.new_work_evicts] == ["defer"]
     for mode in PREEMPTION_MODES:
-        eng = Engine.simulated(SchedulerConfig(preemption=mode), COST, kv_cache_blocks=8, host_kv_blocks=8)
+        eng = simulated_engine(SchedulerConfig(preemption=mode), COST, kv_cache_blocks=8, host_kv_blocks=8)
         assert eng.scheduler.preemption.mode == mode
         # The host pool exists only where the mode uses it.
         assert eng.scheduler.kv.host.num_blocks == (8 if PREEMPTION_STRATEGIES[mode].uses_host_tier else 0)
@@ -98,7 +100,7 @@ def test_cli_policy_flags_offer_only_existing_policies(capsys: pytest.CaptureFix
 
 @pytest.mark.parametrize("mode", ["recompute", "reactive-swap", "proactive-swap"])
 def test_engine_totals_are_the_sums_over_requests(mode: str) -> None:
-    eng = Engine.simulated(SchedulerConfig(policy="skip-join-mlfq", preemption=mode, max_batch_size=6,
+    eng = simulated_engine(SchedulerConfig(policy="skip-join-mlfq", preemption=mode, max_batch_size=6,
                                            starvation_limit_s=0.5), COST, kv_cache_blocks=30, block_size=16,
                            host_kv_blocks=40, enable_prefix_caching=False)  # swaps copied whole
     reqs = _load(eng, n=40, seed=1)

@@ -8,6 +8,8 @@ import pytest
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
+from tokenslice.sim.replay import replay
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.request import Request, SamplingParams
 from tokenslice.sched.policy import PolicyContext
@@ -36,10 +38,10 @@ def trace(n: int, seed: int, rate: float = 2.0, max_prompt: int = 600, max_out: 
 
 def simulate(policy: str, items: list[Item], blocks: int = 100_000, preemption: str = "recompute",
              fast_forward: bool = True, **cfg) -> tuple[Engine, list[Request]]:
-    eng = Engine.simulated(SchedulerConfig(policy=policy, preemption=preemption, max_batch_size=8, **cfg), COST,
+    eng = simulated_engine(SchedulerConfig(policy=policy, preemption=preemption, max_batch_size=8, **cfg), COST,
                            kv_cache_blocks=blocks)
     eng.fast_forward = fast_forward
-    return eng, eng.replay(items)
+    return eng, replay(eng, items)
 
 
 def fingerprint(reqs: list[Request]) -> list[tuple]:

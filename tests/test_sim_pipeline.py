@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
+from tokenslice.sim.replay import replay
 from tokenslice.sim.pipeline import PipelinedSimulatedExecutor
 from tokenslice.plan import StepPlan
 from tokenslice.predict.cost import BatchShape, load_cost_model
@@ -36,7 +38,7 @@ def _trace(n: int, seed: int = 0, rate: float | None = None) -> list[WorkloadReq
 def _engine(policy: str, preemption: str, max_in_flight: int | None = None, *, blocks: int = 400,
             batch: int = 8, spec: str = OPT_175B) -> Engine:
     cfg = SchedulerConfig(policy=policy, preemption=preemption, max_batch_size=batch, max_tokens_per_step=2048)
-    return Engine.simulated(cfg, load_cost_model(spec), kv_cache_blocks=blocks, block_size=16, host_kv_blocks=4 * blocks,
+    return simulated_engine(cfg, load_cost_model(spec), kv_cache_blocks=blocks, block_size=16, host_kv_blocks=4 * blocks,
                             max_in_flight=max_in_flight)
 
 
@@ -77,7 +79,7 @@ def test_two_batches_in_flight_complete_every_request_never_twice_in_the_pipe(po
     assert isinstance(eng.executor, PipelinedSimulatedExecutor) and eng.max_in_flight == 2
     watch = InFlightWatch(eng)
     trace = _trace(80, rate=40.0)
-    reqs = eng.replay(trace)
+    reqs = replay(eng, trace)
     assert all(r.is_finished and r.finish_reason == "stop" for r in reqs)
     assert [r.num_output_tokens for r in reqs] == [t.output_len for t in trace]
     assert watch.most == 2 and not watch.flight
@@ -86,7 +88,7 @@ def test_two_batches_in_flight_complete_every_request_never_twice_in_the_pipe(po
 
 
 def _tokens_per_virtual_second(eng: Engine, trace: list[WorkloadRequest]) -> float:
-    reqs = eng.replay(trace)
+    reqs = replay(eng, trace)
     assert all(r.is_finished for r in reqs)
     return sum(r.num_output_tokens for r in reqs) / eng.clock.now()
 
@@ -145,7 +147,7 @@ def test_a_request_arriving_while_the_pipe_has_room_starts_before_the_oldest_ret
     eng = _engine("fcfs", "recompute", 2)
     long_done = cost.iteration_seconds(BatchShape.from_lengths(prefill=[(2000, 0)]))
     trace = [WorkloadRequest("long", 0.0, None, 2000, 1), WorkloadRequest("short", 0.01, None, 10, 1)]
-    long, short = eng.replay(trace)
+    long, short = replay(eng, trace)
     assert short.metrics.first_scheduled_time == pytest.approx(0.01)
     assert long.metrics.finish_time == pytest.approx(long_done)
     alone = cost.iteration_seconds(BatchShape.from_lengths(prefill=[(10, 0)]))
@@ -174,9 +176,9 @@ def test_measured_profile_splits_into_stages() -> None:
     assert stages[0] == stages[1] and sum(stages) + cost.p2p_seconds(8) == pytest.approx(cost.iteration_seconds(shape))
     again = CostModel.from_dict(cost.to_dict())
     assert again.name == cost.name and again.stage_seconds(shape) == stages
-    eng = Engine.simulated(SchedulerConfig(policy="fcfs", max_batch_size=4), again, kv_cache_blocks=200)
+    eng = simulated_engine(SchedulerConfig(policy="fcfs", max_batch_size=4), again, kv_cache_blocks=200)
     assert isinstance(eng.executor, PipelinedSimulatedExecutor) and eng.max_in_flight == 2
-    reqs = eng.replay(_trace(12))
+    reqs = replay(eng, _trace(12))
     assert all(r.is_finished for r in reqs)
 
 
@@ -204,9 +206,9 @@ def test_fitted_stage_factors_and_loop_time_shape_the_pipe() -> None:
     assert isinstance(again, ProfileCostModel) and again.stage_factors == [0.4, 1.6]
 
     def run(model: ProfileCostModel, requests: int, in_flight: int) -> Engine:
-        eng = Engine.simulated(SchedulerConfig(policy="fcfs", max_batch_size=4), model, kv_cache_blocks=400,
+        eng = simulated_engine(SchedulerConfig(policy="fcfs", max_batch_size=4), model, kv_cache_blocks=400,
                                max_in_flight=in_flight)
-        eng.replay([WorkloadRequest(f"r{i}", 0.0, None, 32, 40) for i in range(requests)])
+        replay(eng, [WorkloadRequest(f"r{i}", 0.0, None, 32, 40) for i in range(requests)])
         return eng
 
     fast, slow = run(equal, 8, 2), run(skewed, 8, 2)
@@ -235,8 +237,8 @@ def test_a_measured_spread_of_stage_times_stalls_a_full_pipe() -> None:
     assert jittery.stage_spread() == [0.3, 0.3] and cost(None).stage_spread() == [0.0, 0.0]
 
     def span(model: CostModel) -> float:
-        eng = Engine.simulated(SchedulerConfig(policy="fcfs", max_batch_size=4), model, kv_cache_blocks=400)
-        eng.replay([WorkloadRequest(f"r{i}", 0.0, None, 32, 40) for i in range(8)])
+        eng = simulated_engine(SchedulerConfig(policy="fcfs", max_batch_size=4), model, kv_cache_blocks=400)
+        replay(eng, [WorkloadRequest(f"r{i}", 0.0, None, 32, 40) for i in range(8)])
         return eng.clock.now()
 
     assert span(jittery) == span(jittery) > span(cost(None))
@@ -252,7 +254,7 @@ def test_in_flight_rule_holds_for_any_depth(seed: int, mode: tuple[str, str], st
     eng = _engine(*mode, in_flight, blocks=blocks, batch=4, spec=f"opt-66b@a100-40gb:tp2:pp{stages}")
     watch = InFlightWatch(eng)
     trace = _trace(30, seed=seed, rate=60.0)
-    reqs = eng.replay(trace)
+    reqs = replay(eng, trace)
     assert [r.num_output_tokens for r in reqs] == [t.output_len for t in trace]
     assert watch.most <= in_flight and not watch.flight
     eng.scheduler.kv.check()

@@ -19,6 +19,8 @@ from tokenslice.bench.workloads import make_workload
 from tokenslice.cli import main
 from tokenslice.config import SchedulerConfig
 from tokenslice.predict.cost import load_cost_model
+from tokenslice.sim.engine import simulated_engine
+from tokenslice.sim.replay import replay
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 SHAREGPT = SHARED / "data" / "sharegpt_multiturn_800.json"
@@ -157,11 +159,10 @@ def test_saturation_and_records(cost) -> None:
 
 def test_records_from_engine_requests(cost) -> None:
     """records_from_requests reads the server-side counters off engine requests."""
-    from tokenslice.engine.engine import Engine
 
     wl = make_workload("synthetic-fixed", num_requests=12, rate=50.0, seed=0, input_len=40, output_len=30)
-    engine = Engine.simulated(SchedulerConfig(policy="skip-join-mlfq", max_batch_size=2), cost, kv_cache_blocks=64)
-    reqs = engine.replay(wl)
+    engine = simulated_engine(SchedulerConfig(policy="skip-join-mlfq", max_batch_size=2), cost, kv_cache_blocks=64)
+    reqs = replay(engine, wl)
     records = records_from_requests(reqs)
     assert [r.request_id for r in records] == [w.request_id for w in wl]
     assert sum(r.preemptions for r in records) == sum(q.metrics.preemptions for q in reqs)
@@ -187,9 +188,9 @@ def test_sweep_spec_takes_scheduler_defaults_from_the_config() -> None:
 # ---------------------------------------------------------------- priority updates (FastSwitch §4)
 
 def _priority_engine_class():
-    from tokenslice.engine.engine import Engine
+    from tokenslice.sim.engine import SimulatedEngine
 
-    class PriorityRecordingEngine(Engine):
+    class PriorityRecordingEngine(SimulatedEngine):
         """Records the `set_priority` calls replay makes that reach a live request; counts
         fast-forwarded windows."""
 
@@ -199,8 +200,8 @@ def _priority_engine_class():
                 self.calls.append((self.num_steps, request_id, priority))
             return live
 
-        def _repeat(self, plan, horizon, max_steps=None):
-            ran = super()._repeat(plan, horizon, max_steps)
+        def _fast_forward(self, plan, horizon, max_steps):
+            ran = super()._fast_forward(plan, horizon, max_steps)
             if ran is not None:
                 self.windows += 1
             return ran
@@ -210,11 +211,12 @@ def _priority_engine_class():
 
 def _replay_with_updates(cost, fast_forward: bool, pattern: PriorityPattern | None):
     cls = _priority_engine_class()
-    engine = cls.simulated(SchedulerConfig(policy="priority", max_batch_size=4), cost, kv_cache_blocks=4096)
+    engine = simulated_engine(SchedulerConfig(policy="priority", max_batch_size=4), cost, kv_cache_blocks=4096,
+                              engine_class=cls)
     engine.fast_forward = fast_forward
     engine.calls, engine.windows = [], 0
     wl = make_workload("synthetic-fixed", num_requests=12, rate=1.0, seed=3, input_len=64, output_len=200)
-    reqs = engine.replay(wl, priority_updates=PriorityUpdates(pattern) if pattern else None)
+    reqs = replay(engine, wl, priority_updates=PriorityUpdates(pattern) if pattern else None)
     return engine, reqs
 
 

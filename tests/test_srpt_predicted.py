@@ -10,6 +10,8 @@ import pytest
 from test_scheduler import COST, Item, fingerprint, trace
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
+from tokenslice.sim.replay import replay
 from tokenslice.request import Request, RequestState, SamplingParams
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import make_policy
@@ -27,10 +29,10 @@ def with_predictions(items: list[Item], predict) -> list[PredictedItem]:
 
 def simulate(items: list[Item], blocks: int = 100_000, preemption: str = "recompute", fast_forward: bool = True,
              batch: int = 8, **cfg) -> tuple[Engine, list[Request]]:
-    eng = Engine.simulated(SchedulerConfig(policy="srpt-predicted", preemption=preemption, max_batch_size=batch,
+    eng = simulated_engine(SchedulerConfig(policy="srpt-predicted", preemption=preemption, max_batch_size=batch,
                                            **cfg), COST, kv_cache_blocks=blocks)
     eng.fast_forward = fast_forward
-    return eng, eng.replay(items)
+    return eng, replay(eng, items)
 
 
 def policy(**cfg) -> SpeculativeSRPTPolicy:
@@ -192,7 +194,7 @@ def test_a_replay_does_not_hand_the_policy_the_true_length():
     # too long is not silently cut to the truth (it would be if max_tokens were the trace length).
     items = [PredictedItem("long-guess", 0.0, 30, 20, predicted_output_tokens=200),
              PredictedItem("other", 0.0, 30, 40, predicted_output_tokens=40)]
-    eng = Engine.simulated(SchedulerConfig(policy="srpt-predicted", max_batch_size=1, srpt_aging=0.0), COST,
+    eng = simulated_engine(SchedulerConfig(policy="srpt-predicted", max_batch_size=1, srpt_aging=0.0), COST,
                            kv_cache_blocks=1000)
     seen = {}
     step = eng.scheduler.policy.on_step
@@ -203,7 +205,7 @@ def test_a_replay_does_not_hand_the_policy_the_true_length():
         step(ran, secs, now)
 
     eng.scheduler.policy.on_step = spy
-    reqs = eng.replay(items)
+    reqs = replay(eng, items)
     assert [r.finish_reason for r in reqs] == ["stop", "stop"]
     assert [r.num_output_tokens for r in reqs] == [20, 40]
     assert reqs[0].params.max_tokens == eng.max_model_len - 30

@@ -172,12 +172,12 @@ def test_abort_mid_prefix_load_frees_everything(preemption):
 # ---- the simulator ---------------------------------------------------------------------------
 def test_simulated_copies_feed_the_statistics() -> None:
     """The simulator reports its async copies' seconds; adaptive measures them and the steps."""
-    from tokenslice.engine.engine import Engine
+    from tokenslice.sim.engine import simulated_engine
     from tokenslice.predict.cost import load_cost_model
 
     cfg = SchedulerConfig(policy="skip-join-mlfq", preemption="proactive-swap", max_batch_size=4,
                           starvation_limit_s=0.2, swap_in="adaptive")
-    eng = Engine.simulated(cfg, load_cost_model("opt-13b@a100-40gb"), kv_cache_blocks=40, block_size=16,
+    eng = simulated_engine(cfg, load_cost_model("opt-13b@a100-40gb"), kv_cache_blocks=40, block_size=16,
                            host_kv_blocks=400)
     for i in range(24):
         eng.add_request([7 + i] * 100, SamplingParams(max_tokens=200, ignore_eos=True), request_id=f"r{i}")

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from tokenslice.config import PREEMPTION_MODES, SWAP_IN_MODES, SchedulerConfig
 from tokenslice.engine.engine import Engine
+from tokenslice.sim.engine import simulated_engine
 from tokenslice.plan import StepPlan
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.request import SamplingParams
@@ -22,7 +23,7 @@ def _checked_engine(mode: str, device: int, host: int, policy: str = "skip-join-
                     amortization: float = 16.0, swap_in: str = "mode") -> Engine:
     cfg = SchedulerConfig(policy=policy, preemption=mode, max_batch_size=4, max_tokens_per_step=64,
                           starvation_limit_s=0.05, eviction_amortization=amortization, swap_in=swap_in)
-    eng = Engine.simulated(cfg, COST, kv_cache_blocks=device, block_size=4, host_kv_blocks=host)
+    eng = simulated_engine(cfg, COST, kv_cache_blocks=device, block_size=4, host_kv_blocks=host)
     eng.fast_forward = False
     sched, kv = eng.scheduler, eng.scheduler.kv
     schedule = sched.schedule
@@ -76,7 +77,7 @@ def _promotion_storm(mode: str, amortization: float) -> int:
     jobs keep wanting each other's memory. Returns evictions (swaps out + drops)."""
     cfg = SchedulerConfig(policy="skip-join-mlfq", preemption=mode, max_batch_size=4,
                           starvation_limit_s=0.2, eviction_amortization=amortization)
-    eng = Engine.simulated(cfg, COST, kv_cache_blocks=40, block_size=16, host_kv_blocks=400)
+    eng = simulated_engine(cfg, COST, kv_cache_blocks=40, block_size=16, host_kv_blocks=400)
     for i in range(24):
         eng.add_request([7 + i] * 100, SamplingParams(max_tokens=200, ignore_eos=True), request_id=f"r{i}")
     while eng.has_unfinished():
@@ -94,7 +95,7 @@ def test_protection_prevents_the_promotion_storm():
 def test_proactive_swap_overlaps_transfers_with_compute():
     cfg = SchedulerConfig(policy="skip-join-mlfq", preemption="proactive-swap", max_batch_size=4,
                           starvation_limit_s=0.2)
-    eng = Engine.simulated(cfg, COST, kv_cache_blocks=40, block_size=16, host_kv_blocks=400)
+    eng = simulated_engine(cfg, COST, kv_cache_blocks=40, block_size=16, host_kv_blocks=400)
     for i in range(24):
         eng.add_request([7 + i] * 100, SamplingParams(max_tokens=200, ignore_eos=True), request_id=f"r{i}")
     async_moves = 0
@@ -117,7 +118,7 @@ def test_proactive_swap_overlaps_transfers_with_compute():
 def test_a_request_that_outgrows_the_whole_pool_stops_with_length():
     # Two blocks of 16 tokens: the request fills them and cannot grow, and nobody can be evicted.
     for mode in PREEMPTION_MODES:
-        eng = Engine.simulated(SchedulerConfig(policy="skip-join-mlfq", preemption=mode), COST,
+        eng = simulated_engine(SchedulerConfig(policy="skip-join-mlfq", preemption=mode), COST,
                                kv_cache_blocks=2, block_size=16, host_kv_blocks=8)
         req = eng.add_request([7] * 20, SamplingParams(max_tokens=100, ignore_eos=True))
         for _ in range(100):
@@ -131,7 +132,7 @@ def test_a_request_that_outgrows_the_whole_pool_stops_with_length():
 def test_proactive_uploads_only_the_jobs_the_device_can_keep():
     # ALISE Algorithm 2: with room for 3 x 100 tokens (block 4, reserve 0), srpt-predicted keeps
     # the top 3 by predicted peak KV (prompt 20 + predicted 78-80); host jobs ranked past them stay.
-    eng = Engine.simulated(SchedulerConfig(policy="srpt-predicted", preemption="proactive-swap", srpt_aging=0.0),
+    eng = simulated_engine(SchedulerConfig(policy="srpt-predicted", preemption="proactive-swap", srpt_aging=0.0),
                            COST, kv_cache_blocks=75, block_size=4, host_kv_blocks=200)
     reqs = [eng.add_request([7] * 20, SamplingParams(max_tokens=500, ignore_eos=True), request_id=f"r{i}",
                             predicted_output_tokens=78 + i) for i in range(6)]
@@ -140,6 +141,6 @@ def test_proactive_uploads_only_the_jobs_the_device_can_keep():
     kept = sched.preemption._within_device_job_limit(list(reversed(reqs)), 0, 0.0)
     assert sorted(r.request_id for r in kept) == ["r0", "r1", "r2"]
     # Without a limit (skip-join-mlfq) every host job is a candidate, in ENST order.
-    mlfq = Engine.simulated(SchedulerConfig(policy="skip-join-mlfq", preemption="proactive-swap"), COST,
+    mlfq = simulated_engine(SchedulerConfig(policy="skip-join-mlfq", preemption="proactive-swap"), COST,
                             kv_cache_blocks=75, block_size=4, host_kv_blocks=200).scheduler
     assert mlfq.preemption._within_device_job_limit(reqs, 0, 0.0) == reqs

@@ -250,15 +250,16 @@ def test_egress_fit_recovers_a_known_line() -> None:
 def test_simulated_requests_can_carry_max_tokens_as_the_http_client_sends_it() -> None:
     """srpt-predicted caps a prediction at max_tokens; over HTTP the load client sends max_tokens =
     the output length, so the twin's simulator must too, or its policy ranks other jobs."""
-    from tokenslice.engine.engine import Engine
+    from tokenslice.sim.engine import simulated_engine
+    from tokenslice.sim.replay import replay
 
     cost = load_cost_model("opt-13b@a100-40gb")
     wl = make_workload("synthetic-zipf", num_requests=20, rate=30.0, seed=3, max_len=200)
     cfg = SchedulerConfig(policy="srpt-predicted", max_batch_size=4)
     demotions, finishes = [], []
     for as_client in (False, True):
-        engine = Engine.simulated(cfg, cost, kv_cache_blocks=4096)
-        reqs = engine.replay(wl, max_tokens_is_output=as_client)
+        engine = simulated_engine(cfg, cost, kv_cache_blocks=4096)
+        reqs = replay(engine, wl, max_tokens_is_output=as_client)
         for w, r in zip(wl, reqs, strict=True):
             assert r.num_output_tokens == w.output_len
             assert (r.params.max_tokens == w.output_len) == as_client

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenslice.engine.detokenizer import IncrementalDetokenizer
 from tokenslice.engine.engine import Engine
+from tokenslice.engine.output import OutputProcessor
 from tokenslice.engine.protocol import (MAX_CONSECUTIVE_FAULTS, EngineDeadError, EngineFaultError, OutputObserver,
                                         RequestStream, StreamAdmission, engine_info, read_stats)
 from tokenslice.exec.base import WorkerError
@@ -84,8 +84,8 @@ class AsyncEngine(StreamAdmission):
         self.tokenizer = engine.tokenizer
         self.observer = observer  # called in the event loop for every output (metrics)
         engine.detokenize = False  # done here, in the event loop, overlapping the next step
-        self._detoks: dict[str, IncrementalDetokenizer] = {}  # event-loop side, per live stream
-        self._stopped: set[str] = set()  # ended here on a stop string; the engine's later outputs are dropped
+        # Event-loop side: a stop string ends the stream here and queues the engine's abort.
+        self._outputs = OutputProcessor(engine.tokenizer, lambda rid: self._commands.put(_Abort(rid)))
         self.on_dead: Callable[[], None] | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._state = _LoopState()
@@ -133,9 +133,7 @@ class AsyncEngine(StreamAdmission):
         with self._lock:
             if not self.is_alive:
                 raise EngineDeadError("the engine loop is not running")
-            if self.tokenizer is not None:
-                self._detoks[request.request_id] = IncrementalDetokenizer.for_request(
-                    self.tokenizer, request.prompt_token_ids, request.params)
+            self._outputs.add(request.request_id, request.prompt_token_ids, request.params)
             self._commands.put(_Add(stream, request))
         return await self._accepted(stream)
 
@@ -144,7 +142,7 @@ class AsyncEngine(StreamAdmission):
         self._unqueue(stream)
         if not stream.finished:
             stream.finished = True
-            self._detoks.pop(stream.request_id, None)
+            self._outputs.forget(stream.request_id)
             self._commands.put(_Abort(stream.request_id))
 
     async def set_priority(self, request_id: str, priority: int) -> bool:
@@ -172,6 +170,11 @@ class AsyncEngine(StreamAdmission):
         return await result
 
     # ---- loop thread -> event loop ----------------------------------------------------------
+    def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
+        if error is not None:  # refused: no output will come
+            self._outputs.forget(stream.request_id)
+        super()._settle(stream, error)
+
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
         assert self._loop is not None
         try:
@@ -190,31 +193,22 @@ class AsyncEngine(StreamAdmission):
 
     def _deliver(self, items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
         for stream, item in items:
-            self._detoks.pop(stream.request_id, None)
+            self._outputs.forget(stream.request_id)
             self._put(stream, item)
 
     def _deliver_outputs(self, items: list[tuple[RequestStream | None, RequestOutput]]) -> None:
         """A step's outputs, in the event loop: text, stop strings, metrics, then the streams.
         `stream` is None for a request no longer streamed (aborted)."""
         for stream, out in items:
-            rid = out.request_id
-            if rid in self._stopped:  # the step in flight at its stop string, or the abort after it
-                if out.finished:
-                    self._stopped.discard(rid)
+            route = self._outputs.process(out)
+            if route == "drop":
                 continue
-            if stream is not None:
-                det = self._detoks.get(rid)
-                if det is not None and det.apply(out):  # a stop string: end it here, free its KV there
-                    self._stopped.add(rid)
-                    self._commands.put(_Abort(rid))
-                if out.finished:
-                    self._detoks.pop(rid, None)
             if self.observer is not None:
                 try:
                     self.observer(out)
                 except Exception:  # metrics must never take the server down
                     log.exception("output observer failed")
-            if stream is not None:
+            if stream is not None and route == "stream":
                 self._put(stream, out)
 
     # ---- the loop (its own thread; the only code that touches the engine) --------------------

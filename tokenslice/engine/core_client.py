@@ -14,7 +14,6 @@ EngineDeadError, `is_alive` turns false and `on_dead` is called.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import itertools
 import logging
@@ -23,7 +22,6 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,37 +36,18 @@ from tokenslice.engine.core import run_engine_core
 from tokenslice.engine.cpus import CpuPlan, plan_cpus
 from tokenslice.engine.core_messages import (Abort, AddRequest, CoreMessage, CoreOutput, Fatal, Ready, Refusal,
                                              SetPriority, Shutdown, StartupFailed, StateQuery)
-from tokenslice.engine.detokenizer import IncrementalDetokenizer
-from tokenslice.request import EngineRequest, InvalidRequestError, RequestMetrics, RequestOutput
+from tokenslice.engine.output import OutputProcessor
+from tokenslice.engine.protocol import tokenize_prompt
+from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput
 
 log = logging.getLogger(__name__)
 
 STARTUP_POLL_MS = 200  # while the core loads its model, check this often that it is still alive
 STOP_TIMEOUT_S = 10.0  # a core that does not exit after Shutdown within this is killed
-_METRIC_SCALARS = tuple(f.name for f in dataclasses.fields(RequestMetrics) if f.name != "token_times")
 
 
 class EngineStartupError(RuntimeError):
     """The engine core could not start (bad model path, out of memory, ...)."""
-
-
-@dataclass
-class _Live:
-    """A request the core is running for a stream of this process."""
-
-    stream: RequestStream
-    detok: IncrementalDetokenizer | None
-    metrics: RequestMetrics | None = None  # the core's record, its token times gathered step by step
-
-    def merge(self, sent: RequestMetrics) -> RequestMetrics:
-        if self.metrics is None:
-            self.metrics = sent
-            return sent
-        m = self.metrics
-        for name in _METRIC_SCALARS:
-            setattr(m, name, getattr(sent, name))
-        m.token_times.extend(sent.token_times)
-        return m
 
 
 def _answer(future: asyncio.Future[Any] | None, result: Any, error: Exception | None) -> None:
@@ -126,8 +105,9 @@ class EngineCoreClient(StreamAdmission):
         self.info = ready.info
         self.stats = ready.stats
         log.info("engine core running in process %d", self.pid)
-        self._live: dict[str, _Live] = {}
-        self._stopped: set[str] = set()  # ended here on a stop string; the core's last output is dropped
+        self._live: dict[str, RequestStream] = {}  # requests the core runs for streams of this process
+        # A stop string ends the stream here and tells the core to free the request's KV.
+        self._outputs = OutputProcessor(self.tokenizer, lambda rid: self._send(Abort([rid])), merge_metrics=True)
         self._priority_calls: dict[int, asyncio.Future[bool]] = {}
         self._state_calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._call_ids = itertools.count()
@@ -147,8 +127,6 @@ class EngineCoreClient(StreamAdmission):
         return msg
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        from tokenslice.engine.engine import tokenize_prompt
-
         return tokenize_prompt(self.tokenizer, prompt)
 
     # ---- lifecycle (event-loop side) ------------------------------------------------------------
@@ -196,10 +174,8 @@ class EngineCoreClient(StreamAdmission):
         stream = self._new_stream(request.request_id)
         if not self.is_alive:
             raise EngineDeadError("the engine core is not running")
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer.for_request(self.tokenizer, request.prompt_token_ids, request.params)
-        self._live[request.request_id] = _Live(stream, detok)
+        self._outputs.add(request.request_id, request.prompt_token_ids, request.params)
+        self._live[request.request_id] = stream
         self._send(AddRequest(request))
         return await self._accepted(stream)
 
@@ -209,6 +185,7 @@ class EngineCoreClient(StreamAdmission):
         if not stream.finished:
             stream.finished = True
             self._live.pop(stream.request_id, None)
+            self._outputs.forget(stream.request_id)
             if self.is_alive:
                 self._send(Abort([stream.request_id]))
 
@@ -256,11 +233,12 @@ class EngineCoreClient(StreamAdmission):
 
     def _on_output(self, msg: CoreOutput) -> None:
         for reply in msg.added:
-            live = self._live.get(reply.request_id)
-            if live is not None:
+            stream = self._live.get(reply.request_id)
+            if stream is not None:
                 if reply.error is not None:
                     del self._live[reply.request_id]
-                self._settle(live.stream, None if reply.error is None else self._error(reply.error))
+                    self._outputs.forget(reply.request_id)
+                self._settle(stream, None if reply.error is None else self._error(reply.error))
         for p in msg.priorities:
             _answer(self._priority_calls.get(p.call_id), p.live, None if p.error is None else self._error(p.error))
         for st in msg.states:
@@ -271,9 +249,10 @@ class EngineCoreClient(StreamAdmission):
         if msg.failed:
             fault = EngineFaultError("the engine failed while running this request")
             for rid in msg.failed:
-                live = self._live.pop(rid, None)
-                if live is not None:
-                    self._put(live.stream, fault)
+                stream = self._live.pop(rid, None)
+                self._outputs.forget(rid)
+                if stream is not None:
+                    self._put(stream, fault)
         if msg.stats is not None:
             self.stats = msg.stats
 
@@ -282,24 +261,16 @@ class EngineCoreClient(StreamAdmission):
         return InvalidRequestError(refusal.message, refusal.param) if refusal.invalid else EngineFaultError(refusal.message)
 
     def _deliver(self, out: RequestOutput) -> None:
-        rid = out.request_id
-        live = self._live.get(rid)
-        if live is None:
-            if rid in self._stopped:  # the abort that followed a stop string: already reported
-                if out.finished:
-                    self._stopped.discard(rid)
-                return
-            self._observe(out)  # an aborted request's last outputs still count in the metrics
+        route = self._outputs.process(out)
+        if route == "drop":
             return
-        if out.metrics is not None:
-            out.metrics = live.merge(out.metrics)
-        if live.detok is not None and live.detok.apply(out):  # a stop string: end it here, free its KV there
-            self._stopped.add(rid)
-            self._send(Abort([rid]))
         self._observe(out)
+        stream = self._live.get(out.request_id) if route == "stream" else None
+        if stream is None:
+            return
         if out.finished:
-            del self._live[rid]
-        self._put(live.stream, out)
+            del self._live[out.request_id]
+        self._put(stream, out)
 
     def _observe(self, out: RequestOutput) -> None:
         if self.observer is not None:
@@ -326,10 +297,11 @@ class EngineCoreClient(StreamAdmission):
             self.on_dead()
 
     def _fail_all(self, error: EngineDeadError) -> None:
-        lives, self._live = self._live, {}
-        for live in lives.values():
-            if not live.stream.finished:
-                self._put(live.stream, error)
+        streams, self._live = self._live, {}
+        for rid, stream in streams.items():
+            self._outputs.forget(rid)
+            if not stream.finished:
+                self._put(stream, error)
         for future in [*self._priority_calls.values(), *self._state_calls.values()]:
             if not future.done():
                 future.set_exception(error)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tokenslice.request import RequestOutput
+from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput
 from tokenslice.sched.stats import SchedulerStats
 
 if TYPE_CHECKING:
@@ -199,3 +199,14 @@ class StreamAdmission:
                 return
             stream.accepted.set_result(None)
         stream._queue.put_nowait(item)
+
+
+def tokenize_prompt(tokenizer: Any | None, prompt: str | list[int]) -> list[int]:
+    """A prompt's token ids, as the engine adds them (text gets the tokenizer's special tokens)."""
+    if isinstance(prompt, str):
+        if not prompt:  # checked before tokenizing: a BOS token would hide it
+            raise InvalidRequestError("prompt is empty", "prompt")
+        if tokenizer is None:
+            raise InvalidRequestError("this engine has no tokenizer; send token ids", "prompt")
+        return list(tokenizer(prompt)["input_ids"])
+    return list(prompt)

@@ -1,11 +1,26 @@
-"""The submit/poll side of the Executor interface for executors that finish a plan as soon as
-it is submitted (docs/DESIGN.md, Executor: several plans may be in flight for pipeline parallelism;
-these simply have none left in flight)."""
+"""The Executor interface (docs/DESIGN.md, Executor), and its submit/poll side for executors that
+finish a plan as soon as it is submitted (several plans may be in flight for pipeline
+parallelism; these simply have none left in flight)."""
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 from tokenslice.plan import StepPlan, StepResult
+
+
+class Executor(Protocol):
+    """Runs plans. `submit` hands over a plan and `poll` returns the oldest submitted plan's
+    result, so several plans may be in flight (pipeline parallelism); `execute(plan)` is
+    submit + poll, what the engine loop calls with one plan in flight."""
+
+    def submit(self, plan: StepPlan) -> None: ...
+
+    def poll(self) -> StepResult: ...
+
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+    def close(self) -> None: ...
 
 
 class ImmediateExecutor:

@@ -2,7 +2,7 @@
 
 The logic behind `tokenslice simulate`, reusable by benchmark scripts:
 
-- `simulate_run` replays one workload on `Engine.simulated` and returns per-request records plus
+- `simulate_run` replays one workload on `simulated_engine` (sim/engine.py) and returns per-request records plus
   engine-wide counters;
 - `fcfs_saturation_rps` measures the saturation throughput the steady-state protocol's loads are
   fractions of (the same workload, every request at t=0, under fcfs: N / makespan);
@@ -270,14 +270,15 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     are then what a client would see. `step_trace` writes every simulated step as the real engine's
     --step-trace does (virtual-clock starts); it turns off fast-forward, which changes no result.
     `policy_cost`: the cost model the policies see, when it is not the clock's. `max_tokens_is_output`:
-    requests carry max_tokens = their output length, as an HTTP load client sends (Engine.replay)."""
-    from tokenslice.engine.engine import Engine  # the engine pulls in the scheduler stack: import on use
+    requests carry max_tokens = their output length, as an HTTP load client sends (sim/replay.py)."""
+    from tokenslice.sim.engine import simulated_engine  # the engine pulls in the scheduler stack: import on use
+    from tokenslice.sim.replay import replay
 
     check_fits(workload_requests, kv_cache_blocks, block_size)
     if length_predictor is not None:
         workload_requests = predict_lengths(workload_requests, length_predictor)
     host = HOST_KV_FACTOR * kv_cache_blocks if host_kv_blocks is None else host_kv_blocks
-    engine = Engine.simulated(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
+    engine = simulated_engine(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
                               host_kv_blocks=host, offload_dtype=offload_dtype,
                               enable_prefix_caching=enable_prefix_caching, block_groups=block_groups,
                               policy_cost=policy_cost)
@@ -291,9 +292,9 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
         observe = lambda now: state_recorder.observe(engine.scheduler, now)  # noqa: E731
     path = path or ServingPath()
     delays = path.ingress_delays(workload_requests) if not path.is_zero else None
-    reqs = engine.replay(path.to_engine(workload_requests),
-                         priority_updates=PriorityUpdates(priority) if priority is not None else None,
-                         on_advance=observe, max_tokens_is_output=max_tokens_is_output)
+    reqs = replay(engine, path.to_engine(workload_requests),
+                  priority_updates=PriorityUpdates(priority) if priority is not None else None,
+                  on_advance=observe, max_tokens_is_output=max_tokens_is_output)
     engine.close()
     return path.to_client(records_from_requests(reqs), delays), engine_counters(engine)
 

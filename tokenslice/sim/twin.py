@@ -5,7 +5,7 @@ length, arrival times, output lengths sent as max_tokens with ignore_eos) is rep
 
 - real: `repeats` times against `tokenslice serve` (a child process per policy, or `--url`), timed
   by the HTTP client (`bench/client.py`); the spread over repeats is the real engine's own noise;
-- simulated: once per policy on `Engine.simulated` with the machine's profile, the same scheduler
+- simulated: once per policy on `simulated_engine` with the machine's profile, the same scheduler
   settings and KV pool, and the serving path (HTTP in and out, `sim/serving_path.py`) measured
   on the server itself from lone requests and its step trace.
 

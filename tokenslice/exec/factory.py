@@ -1,0 +1,82 @@
+"""The model side of an engine, built from its config: the executor (in this process, one worker
+process per rank, or one Ray actor per rank), the tokenizer, and the KV pool sizes it leaves
+(docs/DESIGN.md, Executor)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenslice.config import EngineConfig
+from tokenslice.exec.base import Executor
+
+
+@dataclass
+class ModelSide:
+    """The executor `start_model` built, and what the rest of the engine needs from it."""
+
+    executor: Executor
+    arch: Any  # model.arch.ArchConfig of the whole model
+    tokenizer: Any
+    name: str
+    max_len: int
+    blocks: int  # device KV blocks (on every rank)
+    host_blocks: int
+    swap_block_bytes: int  # one block on the host tier, whole model (all ranks)
+    runner: Any = None  # model.runner.ModelRunner when the model runs in this process
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The tokenizer's end-of-sequence ids (the model's when it names none); Llama 3 lists several."""
+        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.arch.eos_token_id
+        return [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+
+
+def start_model(config: EngineConfig, host_tier: bool) -> ModelSide:
+    """The model in this process, or in one worker (process or Ray actor) per rank; `host_tier`:
+    the preemption strategy swaps, so size a host KV pool too."""
+    if config.parallel.multiproc or config.parallel.executor == "ray":
+        return _start_workers(config, host_tier)
+    from tokenslice.exec.local import LocalExecutor
+    from tokenslice.model.loader import load_model
+    from tokenslice.model.runner import ModelRunner, num_host_kv_blocks, num_kv_blocks
+
+    loaded = load_model(config.model)
+    limit = loaded.arch.max_position_embeddings
+    max_len = min(config.model.max_model_len or limit, limit)
+    blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
+    host_blocks = num_host_kv_blocks(config.cache, loaded) if host_tier else 0
+    runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed,
+                         num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype,
+                         persistent_batch=config.model.persistent_batch, compile=bool(config.model.compile),
+                         cuda_graphs=config.model.cuda_graphs, max_batch_size=config.scheduler.max_batch_size,
+                         max_model_len=max_len)
+    return ModelSide(LocalExecutor(runner), loaded.arch, loaded.tokenizer, loaded.name, max_len, blocks,
+                     host_blocks, runner.host_block_bytes, runner)
+
+
+def _start_workers(config: EngineConfig, host_tier: bool) -> ModelSide:
+    """One worker per rank; the workers size their own KV pools and report them."""
+    from tokenslice.model.loader import load_arch, model_tokenizer
+    from tokenslice.model.pp import PPStage
+    from tokenslice.model.tp import TPShard
+
+    par = config.parallel
+    arch = load_arch(config.model)
+    TPShard(arch, 0, par.tensor_parallel_size)  # refuses a size the heads do not fit
+    PPStage.of(arch, 0, par.pipeline_parallel_size, par.stage_layers)  # ... or more stages than layers
+    limit = arch.max_position_embeddings
+    max_len = min(config.model.max_model_len or limit, limit)
+    tokenizer = model_tokenizer(config.model, arch)
+    sizes = dict(max_model_len=max_len, max_batch_size=config.scheduler.max_batch_size, host_tier=host_tier,
+                 pp_size=par.pipeline_parallel_size, pp_layers=par.stage_layers)
+    if par.executor == "ray":
+        from tokenslice.exec.ray_executor import RayExecutor
+
+        ex: Any = RayExecutor(config.model, config.cache, par.tensor_parallel_size, address=par.ray_address, **sizes)
+    else:
+        from tokenslice.exec.multiproc import MultiprocExecutor
+
+        ex = MultiprocExecutor(config.model, config.cache, par.tensor_parallel_size, **sizes)
+    return ModelSide(ex, arch, tokenizer, str(Path(config.model.model)), max_len, ex.num_blocks,
+                     ex.num_host_blocks, ex.host_block_bytes)
