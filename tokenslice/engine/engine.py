@@ -21,6 +21,7 @@ from tokenslice.clock import RealClock
 from tokenslice.config import EngineConfig
 from tokenslice.engine.output import OutputProcessor, joined_logprobs
 from tokenslice.engine.protocol import tokenize_prompt
+from tokenslice.engine.request_checks import check_priority, check_prompt
 from tokenslice.engine.step_trace import StepTraceWriter, step_record
 from tokenslice.exec.base import Executor
 from tokenslice.exec.factory import start_model
@@ -28,8 +29,7 @@ from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.predict.online import OnlineLengthPredictor
-from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestError, Request, RequestOutput,
-                                SamplingParams, TokenLogprobs)
+from tokenslice.request import CompletionOutput, EngineRequest, Request, RequestOutput, SamplingParams, TokenLogprobs
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler
@@ -145,9 +145,9 @@ class Engine:
         params = new.params
         params.validate()
         params.check_vocab(self.vocab_size)
-        self._check_priority(new.priority)
+        check_priority(new.priority, self.scheduler.policy)
         ids = list(new.prompt_token_ids)
-        self._check_prompt(ids)
+        check_prompt(ids, self.max_model_len, self.vocab_size, self.scheduler.kv)
         if not params.ignore_eos and len(self.eos_token_ids) > 1:
             # Extra end-of-sequence ids (Llama 3 lists several) stop like stop tokens.
             params = dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids) + self.eos_token_ids[1:])
@@ -167,34 +167,11 @@ class Engine:
             self._text.add(req.request_id, ids, params)
         return req
 
-    def _check_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise InvalidRequestError("prompt is empty", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
-                f"which must also leave room for at least one generated token", "prompt")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
-        kv = self.scheduler.kv
-        if kv.blocks_for_tokens(len(ids) + 1) > kv.device.num_blocks:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the KV cache holds only {kv.capacity_tokens}", "prompt")
-
-    def _check_priority(self, priority: int) -> None:
-        # As vLLM: a priority the policy would ignore is an error, not a silent no-op.
-        policy = self.scheduler.policy
-        if priority != 0 and not policy.uses_priority:
-            raise InvalidRequestError(
-                f"priority {priority} needs a policy that schedules by priority (--policy priority); "
-                f"this engine runs {policy.name!r}", "priority")
-
     def set_priority(self, request_id: str, priority: int) -> bool:
         """Change a live request's priority (lower runs first); it takes effect at the next step.
         Returns False if the request is not live; raises InvalidRequestError (param "priority")
         for a non-zero priority under a policy that does not use priorities."""
-        self._check_priority(priority)
+        check_priority(priority, self.scheduler.policy)
         return self.scheduler.set_priority(request_id, priority, self.clock.now())
 
     def abort_request(self, request_id: str) -> bool:

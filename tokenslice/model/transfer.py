@@ -1,4 +1,4 @@
-"""TransferEngine: background KV copies on a small pool of worker threads (docs/DESIGN.md, kv/transfer.py;
+"""TransferEngine: background KV copies on a small pool of worker threads (docs/DESIGN.md, Layout;
 here in model/ because the model runner is its only user).
 
 FastSwitch (asynchronous multithreaded swap-in) and FastServe §4.2 (proactive offload/upload)
