@@ -19,7 +19,8 @@ from tokenslice.engine.protocol import EngineInfo
 from tokenslice.engine.engine import Engine
 from tokenslice.server.app import Server
 
-STARTUP_TIMEOUT_S = 60.0
+STARTUP_TIMEOUT_S = 240.0  # the engine core process starts too: minutes on a busy 2-core machine
+HTTP_TIMEOUT_S = 120.0  # a failure deadline for the helpers' own requests, not a performance check
 
 
 @dataclass
@@ -70,7 +71,7 @@ class RunningServer:
 
     def metrics(self) -> dict[str, float]:
         """Unlabelled view of /metrics: `name{labels}` -> value, and `name` -> sum over labels."""
-        text = httpx.get(self.url("/metrics"), timeout=10).text
+        text = httpx.get(self.url("/metrics"), timeout=HTTP_TIMEOUT_S).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line or line.startswith("#"):

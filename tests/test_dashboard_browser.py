@@ -1,8 +1,9 @@
 """The live view in a real browser (headless Chromium, tests/browserkit.py) against a real
 `tokenslice serve` of stories260k under load: the page's counts are /metrics' within one
 refresh, a preempted request shows as a preempted chip, and under --api-key the page asks for
-the key and shows nothing until it has it. The loaded page's screenshot goes to docs/dashboard.png
-(the README shows it)."""
+the key and shows nothing until it has it. The loaded page's screenshot goes to the test's temporary
+folder (docs/dashboard.png, which the README shows, is a copy of one: `pytest --basetemp=DIR` keeps
+it at a known place)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import openai
+import pytest
 from playwright.sync_api import Page
 
 from browserkit import chromium
@@ -24,8 +26,10 @@ from tokenslice.server.replay import create_replay_app
 
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT.parent / "shared" / "models" / "stories260k"
-SCREENSHOT = ROOT / "docs" / "dashboard.png"
 DEADLINE_S = 120.0  # failure deadlines, not performance checks
+# The preemption test's load is run one request at a time (one batch slot): a request answers only
+# once the ones before it are done, and all of them together take minutes on a busy 2-core machine.
+LOAD_DEADLINE_S = 600.0
 # The page's count elements and the /metrics gauges they show.
 COUNTS = {"running": "tokenslice:num_requests_running", "waiting": "tokenslice:num_requests_waiting",
           "preempted": "tokenslice:num_requests_preempted", "swapped": "tokenslice:num_requests_swapped"}
@@ -83,13 +87,13 @@ def _wait_fresh(srv: RunningServer, page: Page) -> None:
     page.wait_for_function(f"Number(document.body.dataset.seq || 0) > {seq}")
 
 
-def _capture(page: Page, selector: str) -> bool:
+def _capture(page: Page, selector: str, screenshot: Path) -> bool:
     """Pause the page; if it shows `selector`, save the screenshot; resume."""
     page.click("#pause")
     try:
         shown = page.query_selector(selector) is not None
         if shown:
-            page.screenshot(path=str(SCREENSHOT))
+            page.screenshot(path=str(screenshot))
         return shown
     finally:
         page.click("#pause")
@@ -98,7 +102,7 @@ def _capture(page: Page, selector: str) -> bool:
 def _load(srv: RunningServer, pool: ThreadPoolExecutor) -> list[Future]:
     """Twenty long requests of low priority, then, once one has a third of its tokens, three of
     high priority that preempt it (one batch slot) and, as they grow, push its KV to host."""
-    client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=DEADLINE_S)
+    client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=LOAD_DEADLINE_S)
     model = str(STORIES)
 
     def one(prompt: str, priority: int) -> int:
@@ -116,12 +120,14 @@ def _load(srv: RunningServer, pool: ThreadPoolExecutor) -> list[Future]:
     return low + [pool.submit(one, f"The dog ran {i}", -1) for i in range(3)]
 
 
-def test_page_counts_match_metrics_and_show_a_preemption() -> None:
+@pytest.mark.timeout(LOAD_DEADLINE_S + 300)  # the load, plus the server's and the browser's start
+def test_page_counts_match_metrics_and_show_a_preemption(tmp_path: Path) -> None:
     # One batch slot under `priority`: an urgent arrival preempts the running request, and a
     # pool of 40 blocks (less than two requests' KV) sends the preempted one's KV to host.
     flags = ["--model", str(STORIES), "--policy", "priority", "--preemption", "reactive-swap",
              "--max-batch-size", "1", "--kv-cache-blocks", "40", "--host-kv-blocks", "256",
              "--no-enable-prefix-caching"]
+    screenshot = tmp_path / "dashboard.png"
     errors: list[str] = []
     with start_server(*flags) as srv, chromium() as browser, ThreadPoolExecutor(32) as pool:
         page = browser.new_page()
@@ -148,13 +154,14 @@ def test_page_counts_match_metrics_and_show_a_preemption() -> None:
                         preempted_id = chip.get_attribute("data-id")
                         title = chip.get_attribute("title") or ""
                         assert int(re.search(r"(\d+) preemptions", title).group(1)) >= 1, title
-                        _capture(page, PREEMPTED_CHIP)
+                        _capture(page, PREEMPTED_CHIP, screenshot)
                     if not on_host and page.query_selector(ON_HOST_CHIP):  # a better picture: its KV on host
-                        on_host = _capture(page, ON_HOST_CHIP)
+                        on_host = _capture(page, ON_HOST_CHIP, screenshot)
             assert watch.clashes == []
             assert matched >= 5 and preempted_id is not None, (matched, preempted_id, seen, sorted(watch.by_step))
+            assert screenshot.stat().st_size > 0
         finally:
-            tokens = [f.result(timeout=DEADLINE_S) for f in futures]
+            tokens = [f.result(timeout=LOAD_DEADLINE_S) for f in futures]
         assert tokens == [MAX_TOKENS] * len(futures)
         idle = wait_idle(srv)
         assert idle["tokenslice:num_preemptions_total"] >= 1

@@ -239,7 +239,7 @@ def test_serve_over_ray_cluster(ray_head, caplog):
                 pass
         dead = r"worker rank [0-3] \(pipeline stage [01], tensor-parallel rank [01]; Ray actor on node \w+\) died"
         assert re.search(rf"the engine stopped: .*WorkerError: {dead}.*\(request id cmpl-", str(err.value))
-        until(lambda: httpx.get(srv.url("/health"), timeout=10).status_code == 503, timeout=60)
+        until(lambda: httpx.get(srv.url("/health"), timeout=60).status_code == 503, timeout=60)
         deaths = [r.getMessage() for r in caplog.records if "engine core failed" in r.getMessage()]
         assert deaths and re.search(f"WorkerError: {dead}", deaths[0])
         with pytest.raises(openai.APIStatusError) as refused:

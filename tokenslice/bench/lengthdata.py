@@ -1,7 +1,7 @@
 """(prompt, output length) examples from Alpaca or ShareGPT files, and a seeded train/test split,
 for seeding and evaluating the output-length predictor.
 
-Text extraction and token counting are the workloads' own (bench/workloads.py), so the predictor
+Text extraction and token counting are the workloads' own (bench/datasets.py), so the predictor
 learns the same lengths the simulator and benchmarks replay.
 """
 from __future__ import annotations
