@@ -42,7 +42,7 @@ def replay(engine: Engine, trace: list[TraceItem], *, on_finish: Any = None,
     and generates exactly its output length, then stops as at an EOS (`Request.eos_after`);
     max_tokens is the context left, as a client that does not know the answer's length sends.
     With `max_tokens_is_output`, max_tokens is the output length instead, as a load client
-    forcing lengths over HTTP sends it (bench/client.py); the policies that read it (a
+    forcing lengths over HTTP sends it (bench/request_stream.py); the policies that read it (a
     prediction is capped at max_tokens) then see what the real server saw.
     Returns the requests, finished, in trace order. `on_finish(req)` is called as each finishes.
 
