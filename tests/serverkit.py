@@ -17,7 +17,7 @@ import uvicorn
 from tokenslice.cli import build_parser, serve_app_from_args
 from tokenslice.engine.protocol import EngineInfo
 from tokenslice.engine.engine import Engine
-from tokenslice.server.app import Server
+from tokenslice.server.serving import Server
 
 STARTUP_TIMEOUT_S = 240.0  # the engine core process starts too: minutes on a busy 2-core machine
 HTTP_TIMEOUT_S = 120.0  # a failure deadline for the helpers' own requests, not a performance check

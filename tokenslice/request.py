@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 
 class RequestState(enum.Enum):
@@ -31,7 +32,10 @@ class InvalidRequestError(ValueError):
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 16
+    """How one request samples. These defaults are the only ones: the HTTP request fields take
+    theirs from here (sampling_default)."""
+
+    max_tokens: int = 16  # OpenAI's default for /v1/completions
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off
@@ -113,6 +117,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def sampling_default(name: str) -> Any:
+    """The default of SamplingParams' field `name` (a new list or dict for those fields)."""
+    f = next(f for f in fields(SamplingParams) if f.name == name)
+    return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
 @dataclass

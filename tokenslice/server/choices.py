@@ -2,9 +2,10 @@
 scheduler ranks, preempts and finishes every choice on its own; they are aborted together.
 
 `Choice` accumulates one engine request's outputs; `merged` interleaves several streams in the
-order outputs arrive; `best_of` keeps the n candidates of each prompt with the highest
-cumulative logprob (OpenAI's best_of); `sibling_seed` gives every sample of a seeded request its
-own reproducible stream.
+order outputs arrive; `abort_unfinished` aborts the choices still running; `best_of` keeps the
+n candidates of each prompt with the highest cumulative logprob (OpenAI's best_of);
+`sibling_seed` gives every sample of a seeded request its own reproducible stream;
+`finish_reason` says why a choice ended, in OpenAI's words.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tokenslice.engine.protocol import RequestStream
+from tokenslice.engine.protocol import EngineClient, RequestStream
 from tokenslice.request import RequestOutput, TokenLogprobs
 
 _SEED_SPAN = 2**64  # torch generators take a 64-bit seed
@@ -86,6 +87,12 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[int, RequestOutpu
             t.cancel()
 
 
+def abort_unfinished(engine: EngineClient, choices: list[Choice]) -> None:
+    for c in choices:
+        if not c.stream.finished:
+            engine.abort(c.stream)
+
+
 def best_of(choices: list[Choice], n: int) -> list[Choice]:
     """Per prompt (in prompt order), the n candidates with the highest cumulative logprob."""
     by_prompt: dict[int, list[Choice]] = {}
@@ -95,3 +102,14 @@ def best_of(choices: list[Choice], n: int) -> list[Choice]:
     for idx in sorted(by_prompt):
         out += sorted(by_prompt[idx], key=lambda c: c.cumulative_logprob, reverse=True)[:n]
     return out
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """OpenAI's finish_reason for the engine's. The engine says "abort" only for requests whose
+    client already left."""
+    return reason if reason in ("stop", "length") else ("length" if reason else None)
+
+
+def output_finish_reason(out: RequestOutput) -> str | None:
+    """finish_reason of a stream chunk: set on the output that finishes the choice."""
+    return finish_reason(out.finish_reason) if out.finished else None

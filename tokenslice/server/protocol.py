@@ -15,9 +15,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler,
                       model_serializer, model_validator)
 
-from tokenslice.request import MAX_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY
-
-from tokenslice.request import MAX_LOGPROBS
+from tokenslice.request import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY,
+                                sampling_default)
 
 # torch.Generator.manual_seed accepts exactly this range; outside it, a request would crash the engine.
 SEED_MIN = -(2**63)
@@ -72,6 +71,11 @@ NO_OP_VALUES: dict[str, tuple[object, ...]] = {"top_logprobs": (None,), "echo": 
                                                "best_of": (None, 1), "prompt_logprobs": (None,)}
 
 
+# Sampling fields that may be sent as null, meaning their default (as if left out).
+NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "stop", "repetition_penalty", "min_p",
+                                "stop_token_ids", "logit_bias"})
+
+
 def _is_no_op(value: object, no_ops: tuple[object, ...]) -> bool:
     # Same type as well as equal: `best_of: true` is not 1, nor `echo: 0` false.
     return any(type(value) is type(v) and value == v for v in no_ops)
@@ -95,38 +99,48 @@ class TokensliceOptions(_Strict):
 
 
 class SamplingFields(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. The sampling defaults are
+    SamplingParams' (request.py); a null in NULL_MEANS_DEFAULT is dropped before validation, so
+    those fields are never None on a validated request."""
 
     model: str | None = Field(None, description="must be the served model name; defaults to it")
     max_tokens: PositiveInt | None = None
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: TopK | None = Field(None, description="0 or -1: off")
-    seed: Seed | None = None
-    stop: Text | list[Text] | None = None
+    temperature: float | None = Field(sampling_default("temperature"), ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(sampling_default("top_p"), gt=0, le=1, allow_inf_nan=False)
+    top_k: TopK | None = Field(sampling_default("top_k"), description="0 or -1: off")
+    seed: Seed | None = sampling_default("seed")
+    stop: Text | list[Text] | None = sampling_default("stop")
     n: Choices = Field(1, description="choices per prompt, each sampled independently (a seed gives each "
                                           "its own stream derived from it)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False,
+    presence_penalty: float = Field(sampling_default("presence_penalty"), ge=-MAX_PENALTY, le=MAX_PENALTY,
+                                    allow_inf_nan=False,
                                     description="subtracted from the logit of every token the output already holds")
-    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False,
+    frequency_penalty: float = Field(sampling_default("frequency_penalty"), ge=-MAX_PENALTY, le=MAX_PENALTY,
+                                     allow_inf_nan=False,
                                      description="subtracted once per occurrence of a token in the output so far")
     logit_bias: dict[str, float] | None = Field(
-        None, description="token id (as a string key) -> bias in [-100, 100] added to its logit")
-    ignore_eos: bool = False
-    min_tokens: NonNegativeInt = 0
+        sampling_default("logit_bias"),
+        description="token id (as a string key) -> bias in [-100, 100] added to its logit")
+    ignore_eos: bool = sampling_default("ignore_eos")
+    min_tokens: NonNegativeInt = sampling_default("min_tokens")
     repetition_penalty: float | None = Field(
-        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY, allow_inf_nan=False,
+        sampling_default("repetition_penalty"), ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+        allow_inf_nan=False,
         description="vLLM's: logits of tokens in the prompt or output divided by it (if positive) or multiplied "
                     "(if negative); 1 is off")
-    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
+    min_p: float | None = Field(sampling_default("min_p"), ge=0, le=1, allow_inf_nan=False,
                                 description="drop tokens less likely than min_p x the most likely one; 0 is off")
-    stop_token_ids: list[NonNegativeInt] | None = Field(None, description="token ids that end the output")
-    include_stop_str_in_output: bool = Field(False, description="keep the stop string or stop token in the text")
-    skip_special_tokens: bool = Field(True, description="leave special tokens out of the text")
-    spaces_between_special_tokens: bool = Field(True, description="(slow tokenizers only) space around "
-                                                                  "special tokens in the text")
+    stop_token_ids: list[NonNegativeInt] | None = Field(sampling_default("stop_token_ids"),
+                                                        description="token ids that end the output")
+    include_stop_str_in_output: bool = Field(sampling_default("include_stop_str_in_output"),
+                                             description="keep the stop string or stop token in the text")
+    skip_special_tokens: bool = Field(sampling_default("skip_special_tokens"),
+                                      description="leave special tokens out of the text")
+    spaces_between_special_tokens: bool = Field(sampling_default("spaces_between_special_tokens"),
+                                                description="(slow tokenizers only) space around special tokens "
+                                                            "in the text")
     priority: Hint = Field(0, description="lower runs first under --policy priority; other policies "
                                           "refuse anything but 0; change it later with "
                                           "POST /v1/requests/{id}/priority")
@@ -135,11 +149,11 @@ class SamplingFields(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_ignored(cls, data: Any) -> Any:
+    def _drop_nulls_and_ignored(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        drop = {k for k in data if k not in cls.model_fields
-                and (k in IGNORED_FIELDS or _is_no_op(data[k], NO_OP_VALUES.get(k, ())))}
+        drop = {k for k, v in data.items() if (v is None and k in NULL_MEANS_DEFAULT) or (
+            k not in cls.model_fields and (k in IGNORED_FIELDS or _is_no_op(v, NO_OP_VALUES.get(k, ()))))}
         return {k: v for k, v in data.items() if k not in drop} if drop else data
 
 

@@ -1,0 +1,130 @@
+"""The app's ASGI middlewares: the API key, the body limit, and the 500 for unexpected errors.
+
+Pure ASGI: BaseHTTPMiddleware would break the handlers' disconnect detection."""
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenslice.server.errors import error_response
+
+DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # of an oversized body, read and dropped before the 413
+# Besides /v1/*, the routes that need the API key: they spend tokenizer time on the caller's text.
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
+class APIKeyMiddleware:
+    """401 on /v1/* and KEYED_PATHS without `Authorization: Bearer <key>`; other paths stay open.
+    The scheme is case-insensitive (RFC 7235 §2.1)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, on_reject: Callable[[int], None]) -> None:
+        self.app = app
+        self.expected = api_key.encode() if api_key else None
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if (self.expected is None or scope["type"] != "http"
+                or not (path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS)):
+            await self.app(scope, receive, send)
+            return
+        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        # compare_digest takes constant time: no key guessing by timing.
+        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected):
+            await self.app(scope, receive, send)
+            return
+        self.on_reject(401)
+        resp = error_response(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for request bodies over the limit. The body is read here (it would be buffered by
+    the JSON parser anyway) and replayed to the app; the original `receive` then stays
+    available so handlers can notice a disconnect."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int], None]) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            # Not worth draining a body that would overrun the bound anyway: answer at once.
+            await self._too_large(scope, receive, send, more_body=int(length) <= DRAIN_LIMIT_BYTES)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left before sending its body: nobody to answer
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send, more_body=msg.get("more_body", False))
+                return
+            if not msg.get("more_body", False):
+                break
+        pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, more_body: bool = True) -> None:
+        # Most HTTP/1.1 clients send the whole body before reading the answer: closing on them
+        # mid-upload shows up as a reset connection, not a 413. So read and drop the rest, up
+        # to a bound past which the connection is simply closed after the answer.
+        drained = 0
+        while more_body and drained <= DRAIN_LIMIT_BYTES:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            drained += len(msg.get("body", b""))
+            more_body = msg.get("more_body", False)
+        self.on_reject(413)
+        resp = error_response(413, f"request body is larger than {self.max_bytes} bytes", code="request_too_large",
+                              headers={"Connection": "close"})
+        await resp(scope, receive, send)
+
+
+class UnexpectedErrorMiddleware:
+    """Answers an unexpected exception with the 500 error object and keeps the connection.
+
+    Starlette's outermost error handler re-raises after answering, and uvicorn then resets a
+    kept-alive connection, failing the client's next, valid request too. Caught here instead,
+    unless the response had already started (then there is nothing left to answer)."""
+
+    def __init__(self, app: ASGIApp, handler: Callable[[Request, Exception], Awaitable[JSONResponse]]) -> None:
+        self.app = app
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(msg: Message) -> None:
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:
+                raise
+            resp = await self.handler(Request(scope, receive), exc)
+            await resp(scope, receive, send)

@@ -1,0 +1,96 @@
+"""Prompts and chat messages -> the token ids the engine runs, refusing what cannot fit the
+model's context before spending tokenizer time on it."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jinja2
+
+from tokenslice.engine.protocol import EngineClient
+from tokenslice.request import InvalidRequestError
+from tokenslice.server.errors import APIError
+from tokenslice.server.protocol import ChatMessage
+
+
+class PromptTokenizer:
+    """Tokenizes completion prompts (as the engine does) and renders chats through the model's
+    chat template."""
+
+    def __init__(self, engine: EngineClient, served_model_name: str) -> None:
+        self.engine = engine
+        self.info = engine.info
+        self.tokenizer = engine.tokenizer
+        self.served_model_name = served_model_name
+
+    def check_room(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        """An explicit output limit must fit the context after the prompt, as vLLM checks it; a
+        prompt that leaves no room at all is the engine's error (param "prompt")."""
+        limit = self.info.max_model_len
+        if max_tokens is not None and len(ids) < limit and len(ids) + max_tokens > limit:
+            raise APIError(400, f"this model's context is {limit} tokens, but {len(ids) + max_tokens} were requested "
+                                f"({len(ids)} in the prompt, {max_tokens} for the completion); lower {param} to at "
+                                f"most {limit - len(ids)} or shorten the prompt", param=param)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int | None:
+        """More characters than this cannot fit the context whatever the tokenizer does.
+
+        Tokenizing a body-limit-sized prompt takes seconds of CPU; this refuses hopeless ones
+        first. No token spells more characters than its longest vocabulary entry; the factor 4
+        leaves room for normalizers that merge characters."""
+        tok = self.tokenizer
+        if tok is None:
+            return None
+        longest = max((len(t) for t in tok.get_vocab()), default=1)
+        return self.info.max_model_len * max(1, longest) * 4
+
+    def _check_length(self, text: str, param: str) -> None:
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(400, f"{param} has {len(text)} characters, more than this model's context of "
+                                f"{self.info.max_model_len} tokens can hold", param=param)
+
+    def tokenize_prompt(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        self._check_length(prompt, "prompt")
+        tok = self.tokenizer
+        if not add_special_tokens and tok is not None:  # /tokenize only: the engine always adds them
+            return list(tok(prompt, add_special_tokens=False)["input_ids"])
+        try:
+            return self.engine.tokenize(prompt)
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    add_special_tokens: bool = False) -> list[int]:
+        """Messages -> token ids through the model's chat template."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise APIError(400, f"model {self.served_model_name!r} has no chat template, so it cannot "
+                                "serve /v1/chat/completions; use /v1/completions with a plain prompt",
+                           param="messages", code="chat_template_missing")
+        conversation = []
+        for i, m in enumerate(messages):
+            entry: dict[str, Any] = {"role": m.role, "content": _message_text(m, i)}
+            if m.name is not None:
+                entry["name"] = m.name
+            conversation.append(entry)
+        try:
+            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
+            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
+        self._check_length(text, "messages")
+        # The template already places any special tokens (BOS) it wants.
+        return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def _message_text(m: ChatMessage, i: int) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    parts = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise APIError(400, f"messages[{i}]: only text content parts are supported, got {part.type!r}",
+                           param="messages")
+        parts.append(part.text)
+    return "".join(parts)

@@ -1,0 +1,111 @@
+"""The server behind the routes: the engine client, the metrics and live state, and the
+submission of an API request's choices to the engine (docs/DESIGN.md, Data flow)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from fastapi import Request
+
+from tokenslice.engine.protocol import (EngineClient, EngineDeadError, EngineFaultError, EngineOverloadedError,
+                                        RequestStream)
+from tokenslice.request import EngineRequest, InvalidRequestError, SamplingParams
+from tokenslice.server.choices import Choice, abort_unfinished, merged, sibling_seed
+from tokenslice.server.errors import APIError, ClientGone, engine_fault, engine_unavailable
+from tokenslice.server.metrics import ServerMetrics
+from tokenslice.server.prompts import PromptTokenizer
+from tokenslice.server.protocol import SamplingFields
+from tokenslice.server.settings import ServerSettings
+from tokenslice.server.state import StateHub
+from tokenslice.server.track import Track
+
+
+class Server:
+    """What the routes share: the engine client, its tokenizer and limits, the metrics."""
+
+    def __init__(self, engine: EngineClient, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.async_engine = engine
+        self.info = engine.info
+        self.tokenizer = engine.tokenizer
+        self.prompts = PromptTokenizer(engine, settings.served_model_name)
+        self.metrics = ServerMetrics(settings.served_model_name, lambda: self.async_engine.stats,
+                                     lambda: self.async_engine.num_queued)
+        self.async_engine.observer = self.metrics.observe
+        self.state = StateHub(engine, self.metrics)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(400, f"model {model!r} is not served here; available: {self.settings.served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def submit(self, track: Track, request_id: str, prompt: list[int], params: SamplingParams,
+                     body: SamplingFields, prefix_leader: str | None = None) -> RequestStream:
+        try:
+            return await self.async_engine.add_request(EngineRequest(
+                request_id, prompt, params, arrival_time=track.start, user=body.user, priority=body.priority,
+                expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None,
+                prefix_leader=prefix_leader))
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except EngineOverloadedError:
+            raise APIError(429, f"server overloaded: more than {self.settings.max_waiting} requests are waiting; "
+                                "retry later", type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+        except EngineDeadError:
+            raise engine_unavailable(self.settings.retry_after_s) from None
+        except EngineFaultError as e:
+            raise engine_fault(track.request_id, e) from None
+
+    async def submit_choices(self, track: Track, prompts: list[list[int]], params: SamplingParams, copies: int,
+                             body: SamplingFields) -> list[Choice]:
+        """`copies` engine requests per prompt, each its own scheduled request: the request id for
+        a single one, `{id}-{k}` (k = prompt index x copies + i) for several. All or none."""
+        track.prompt_tokens = sum(len(p) for p in prompts)  # streamed usage may be sent before any output
+        single = len(prompts) * copies == 1
+        choices: list[Choice] = []
+        try:
+            for pi, ids in enumerate(prompts):
+                for i in range(copies):
+                    rid = track.request_id if single else f"{track.request_id}-{pi * copies + i}"
+                    sp = dataclasses.replace(params, seed=sibling_seed(params.seed, i))
+                    # Siblings start from the first one's prompt KV (prefix cache) instead of recomputing it.
+                    leader = choices[pi * copies].stream.request_id if i else None
+                    choices.append(Choice(pi, ids, await self.submit(track, rid, ids, sp, body, leader)))
+        except BaseException:
+            abort_unfinished(self.async_engine, choices)
+            raise
+        return choices
+
+    async def collect(self, choices: list[Choice], request: Request, track: Track) -> None:
+        """Run non-streamed choices to their end; abort them all if the client disconnects first."""
+        async def consume() -> None:
+            async for k, out in merged(choices):
+                choices[k].add(out)
+                track.account(choices)
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled (server shutdown)
+            watcher.cancel()
+            if not consumer.done():
+                consumer.cancel()
+                abort_unfinished(self.async_engine, choices)
+        if consumer not in done:
+            track.outcome = "client disconnected; aborted"
+            track.log()
+            raise ClientGone()
+        try:
+            consumer.result()
+        except (EngineFaultError, EngineDeadError) as e:
+            raise engine_fault(track.request_id, e) from None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body was read already, so the next message the server delivers is the disconnect.
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return

@@ -1,0 +1,54 @@
+"""One generation request's log line and usage: a `Track` per API request, updated as outputs
+arrive. The line has the id, tokens, finish reason and latency; prompt and output text are
+never logged."""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from tokenslice.server.choices import Choice
+from tokenslice.server.protocol import UsageInfo
+
+log = logging.getLogger("tokenslice.server")
+
+
+@dataclass
+class Track:
+    """What the request log line reports; updated as outputs arrive."""
+
+    request_id: str
+    route: str
+    start: float
+    status: int = 200
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    outcome: str = "ok"
+
+    def account(self, choices: list[Choice]) -> None:
+        """Usage of all choices: each prompt counted once (set at submission), every generated token."""
+        self.completion_tokens = sum(c.num_output_tokens for c in choices)
+        reasons = sorted({c.finish_reason for c in choices if c.finish_reason})
+        self.finish_reason = ",".join(reasons) or None
+
+    def log(self) -> None:
+        log.info("%s %s status=%d prompt_tokens=%d completion_tokens=%d finish=%s latency=%.3fs%s",
+                 self.request_id, self.route, self.status, self.prompt_tokens, self.completion_tokens,
+                 self.finish_reason, time.monotonic() - self.start,
+                 "" if self.outcome == "ok" else f" ({self.outcome})")
+
+    @property
+    def usage(self) -> UsageInfo:
+        return UsageInfo(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                         total_tokens=self.prompt_tokens + self.completion_tokens)
+
+
+def new_track(request: Request, prefix: str, route: str) -> Track:
+    """A new request id (`{prefix}-{hex}`) and its track, left on the request for the error handlers."""
+    track = Track(f"{prefix}-{uuid.uuid4().hex}", route, time.monotonic())
+    request.state.track = track  # the error handlers log with it
+    return track
