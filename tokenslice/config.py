@@ -150,7 +150,7 @@ class SchedulerConfig:
     # srpt_aging seconds of predicted work. 0 is pure SRPT (long jobs may starve); large values
     # approach FCFS. A job waits at most ~T_rem / srpt_aging behind later arrivals: 0.01 bounds
     # that slowdown at 100x, ten times the paper SLO's pace (10x a decode step), so aging is a
-    # starvation guard rather than a second ordering. With the real predictors (BENCHMARKS.md,
+    # starvation guard rather than a second ordering. With the real predictors (docs/benchmarks/scheduling-simulated.md,
     # speculative scheduling), 0.1 cost 50-90% of the mean and of p95 normalized latency under
     # Gamma CV 4 bursts (0.01: within 2% of pure SRPT) and bought lower latency only for the
     # longest jobs; under Poisson and CV 2 the two differ by <= 3% on the mean.
@@ -255,7 +255,7 @@ class CpuConfig:
     api_server_cpus: int = 1  # 0: no split, both processes use every CPU
     engine_threads: int | None = None  # torch threads in the core; None: one per engine CPU (or $OMP_NUM_THREADS)
     # Bind each process to its CPUs (Linux). None: only with more than 2 CPUs; on 2 shared cores a
-    # pinned core cannot move away from other load (BENCHMARKS.md, threads that do not fight).
+    # pinned core cannot move away from other load (docs/benchmarks/decode-speed-and-llamacpp.md, CPU placement).
     pin_cpus: bool | None = None
 
     def validate(self) -> None:

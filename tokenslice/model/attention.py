@@ -140,7 +140,7 @@ def traced_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     through its slots, with the row's new K/V put in place of the stale slot at its position.
     Nothing is written to the pool, so the graph has no mutation and stays whole (the caller
     writes meta.new_kv after the step). One row runs as two small matmuls, several through SDPA:
-    the faster of each on the CPUs measured (BENCHMARKS.md, "Compiled decode that only reads the KV pool")."""
+    the faster of each on the CPUs measured (docs/benchmarks/decode-speed-and-llamacpp.md, "Compiled decode that only reads the KV pool")."""
     assert meta.new_kv is not None and meta.dec_slots is not None
     meta.new_kv.append(torch.stack([k, v]))
     d, kvh, hd = k.shape

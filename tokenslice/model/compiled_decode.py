@@ -75,7 +75,7 @@ class CompiledDecode:
         else:
             # Multi-row steps stay eager where oneDNN's packed linears serve them (layers.py): with
             # those GEMMs and eager SDPA the 24M Llama served 16 streams 10-20% faster than
-            # compiled (BENCHMARKS.md, "Compiled decode"); one row is faster compiled everywhere.
+            # compiled (docs/benchmarks/decode-speed-and-llamacpp.md, "Compiled decode"); one row is faster compiled everywhere.
             self.multi_row = not any(isinstance(m, InputMajorLinear) and m.packed is not None for m in model.modules())
             log.info("compiling decode steps (torch.compile, at start-up only; --no-compile skips it)")
             t0 = time.perf_counter()

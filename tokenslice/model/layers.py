@@ -95,7 +95,7 @@ class InputMajorLinear(nn.Module):
 
     With `packed`, a second copy of the weight in oneDNN's blocked layout serves every multi-row
     call: on an AVX-512 CPU, one thread, 1.75x MKL at 16 rows, 2x at 4 and 1.3x at 64, but 10%
-    slower at 1 row, where MKL's [in, out] copy stays (BENCHMARKS.md, "Decode forward on the 24M model").
+    slower at 1 row, where MKL's [in, out] copy stays (docs/benchmarks/decode-speed-and-llamacpp.md, "Decode forward on the 24M model").
     Twice the weights' memory, for the CPU's small models."""
 
     def __init__(self, linear: nn.Linear, packed: bool = False) -> None:

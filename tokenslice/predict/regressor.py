@@ -2,7 +2,7 @@
 prompt's embedding and length to its log output length (ALISE §3.1 falls back to a regression
 model when retrieval finds no similar enough prompt).
 
-Choices, all measured by cross-validation on training data (BENCHMARKS.md, "Output-length
+Choices, all measured by cross-validation on training data (docs/benchmarks/predictor.md, "Output-length
 prediction"):
 
 - target log(1 + length) with a Huber loss: output lengths are heavy-tailed and schedulers need

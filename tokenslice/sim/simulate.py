@@ -41,7 +41,7 @@ AMPLE_TOKENS_PER_SLOT = 4096
 # Host KV tier of the swap modes when none is given: this many times the device pool.
 HOST_KV_FACTOR = 4
 # Sweeps batch at most 16 requests, not serve's SchedulerConfig.max_batch_size: the setup of the
-# scheduling benchmarks (BENCHMARKS.md), where the batch fills at moderate load and the policies'
+# scheduling benchmarks (docs/benchmarks/scheduling-simulated.md), where the batch fills at moderate load and the policies'
 # order matters (below the batch size every live job runs every step).
 SIMULATE_MAX_BATCH_SIZE = 16
 # --record-state: at most one snapshot every this many simulated seconds per run (a live view's
