@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from tokenslice.cli import build_parser, serve_app_from_args
+from tokenslice.cli import build_parser
+from tokenslice.cli.serve import serve_app_from_args
 from tokenslice.engine.protocol import EngineInfo
 from tokenslice.engine.engine import Engine
 from tokenslice.server.serving import Server

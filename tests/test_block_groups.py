@@ -26,7 +26,8 @@ def test_simulated_swaps_take_more_copies_without_block_groups() -> None:
 
 
 def test_flag_option_and_sweep_field_default_on() -> None:
-    from tokenslice.cli import build_parser, engine_config_from_args
+    from tokenslice.cli import build_parser
+    from tokenslice.cli.args import engine_config_from_args
 
     def cache(*flags: str) -> CacheConfig:
         return engine_config_from_args(build_parser().parse_args(["serve", *flags])).cache

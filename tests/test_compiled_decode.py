@@ -14,7 +14,9 @@ from torch._dynamo.utils import counters
 from conftest import STORIES
 from serverkit import serve_app
 from tokenslice import LLM, SamplingParams
-from tokenslice.cli import build_parser, engine_config_from_args, serve_app_from_args, serve_engine_config
+from tokenslice.cli import build_parser
+from tokenslice.cli.args import engine_config_from_args
+from tokenslice.cli.serve import serve_app_from_args, serve_engine_config
 from tokenslice.model.compiled_decode import _pad, buckets
 from tokenslice.model.input_batch import DecodeInputs
 

@@ -49,7 +49,8 @@ def test_llm_refuses_unknown_keywords_before_loading() -> None:
 
 
 def test_cli_engine_flags_default_to_the_config() -> None:
-    from tokenslice.cli import build_parser, engine_config_from_args
+    from tokenslice.cli import build_parser
+    from tokenslice.cli.args import engine_config_from_args
 
     for cmd in (["serve"], ["generate", "--prompt", "x"]):
         assert engine_config_from_args(build_parser().parse_args(cmd)) == EngineConfig()

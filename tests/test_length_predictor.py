@@ -272,7 +272,8 @@ def test_cli_build_and_eval_write_the_schema(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_serve_flag_reaches_the_scheduler_config() -> None:
-    from tokenslice.cli import build_parser, engine_config_from_args
+    from tokenslice.cli import build_parser
+    from tokenslice.cli.args import engine_config_from_args
 
     args = build_parser().parse_args(["serve", "--length-predictor", "/some/dir"])
     assert engine_config_from_args(args).scheduler.length_predictor == "/some/dir"

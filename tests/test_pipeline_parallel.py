@@ -10,7 +10,8 @@ from conftest import STORIES
 from test_tensor_parallel import (PRESSURE, _assert_all_free, _assert_mode_acted, _one_rank, _reschedule, _run_waves,
                                   kill_rank_raises_and_close_reaps)
 from tokenslice import LLM, SamplingParams
-from tokenslice.cli import build_parser, engine_config_from_args
+from tokenslice.cli import build_parser
+from tokenslice.cli.args import engine_config_from_args
 from tokenslice.config import PREEMPTION_MODES, EngineConfig, ModelConfig
 from tokenslice.exec.multiproc import MultiprocExecutor
 from tokenslice.model.arch import ModelLoadError

@@ -60,7 +60,8 @@ def test_text_is_stored_only_when_asked(predictor_dir: Path) -> None:
 
 
 def test_store_text_flag() -> None:
-    from tokenslice.cli import build_parser, engine_config_from_args
+    from tokenslice.cli import build_parser
+    from tokenslice.cli.args import engine_config_from_args
 
     def config(*flags: str) -> bool:
         return engine_config_from_args(build_parser().parse_args(["serve", *flags])).scheduler.length_predictor_store_text

@@ -30,7 +30,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from conftest import STORIES
 from serverkit import start_server, until, wait_idle
 from tokenslice import LLM, SamplingParams
-from tokenslice.cli import build_parser, engine_config_from_args
+from tokenslice.cli import build_parser
+from tokenslice.cli.args import engine_config_from_args
 from tokenslice.config import EngineConfig
 from tokenslice.exec.base import WorkerError
 from tokenslice.exec.ray_executor import RayExecutor

@@ -20,7 +20,8 @@ import torch
 
 from conftest import STORIES, build_tiny_checkpoint
 from tokenslice import LLM, SamplingParams
-from tokenslice.cli import build_parser, engine_config_from_args
+from tokenslice.cli import build_parser
+from tokenslice.cli.args import engine_config_from_args
 from tokenslice.config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
 from tokenslice.sim.executor import SimulatedExecutor

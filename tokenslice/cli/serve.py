@@ -1,0 +1,126 @@
+"""`tokenslice serve`: the OpenAI-compatible HTTP server over one engine."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+from tokenslice.cli.args import add_engine_args, add_field_flag, engine_config_from_args
+from tokenslice.config import CpuConfig, EngineConfig
+from tokenslice.server.settings import ServerSettings
+
+
+def serve_engine_config(a: argparse.Namespace) -> EngineConfig:
+    """`serve`'s engine: the flags, with compiled decode on unless --no-compile (ModelConfig.compile)."""
+    config = engine_config_from_args(a)
+    if config.model.compile is None:
+        config.model.compile = True
+    return config
+
+
+def serve_app_from_args(a: argparse.Namespace) -> Any:
+    """The FastAPI app `serve` runs (tests start it the same way). With --engine-process (the
+    default) the engine core starts here, in its own process, and is ready when this returns."""
+    from tokenslice.server.app import create_app
+
+    if a.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
+    if a.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {a.max_body_bytes}")
+    settings = ServerSettings(served_model_name=a.served_model_name or a.model, api_key=a.api_key or None,
+                              max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes,
+                              engine_process=a.engine_process)
+    config = serve_engine_config(a)
+    engine: Any
+    if settings.engine_process:
+        from tokenslice.engine.core_client import EngineCoreClient
+
+        engine = EngineCoreClient(config, max_waiting=settings.max_waiting,
+                                  log_level=logging.getLogger().getEffectiveLevel(), cpus=cpu_plan_from_args(a))
+    else:
+        from tokenslice.engine.async_engine import AsyncEngine
+        from tokenslice.engine.engine import Engine
+
+        engine = AsyncEngine(Engine.from_config(config), max_waiting=settings.max_waiting)
+    return create_app(engine, settings)
+
+
+def cpu_plan_from_args(a: argparse.Namespace) -> Any:
+    """The serve flags' CPU split (engine/cpus.py CpuPlan)."""
+    from tokenslice.engine.cpus import plan_cpus
+
+    return plan_cpus(CpuConfig(a.api_server_cpus, a.engine_threads, a.pin_cpus))
+
+
+def claim_server_cpus(a: argparse.Namespace) -> None:
+    """This process's share of the CPU split: `serve` only (tests run servers inside pytest).
+    With the core in its own process (which pins itself), the API server stays on its CPUs;
+    with the engine on a thread here, its torch threads leave the event loop its CPUs."""
+    from tokenslice.engine.cpus import pin_process
+
+    plan = cpu_plan_from_args(a)
+    if a.engine_process:
+        if plan.pin:
+            pin_process(plan.api_cpus)
+    else:
+        import torch
+
+        torch.set_num_threads(plan.engine_threads)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenslice.engine.core_client import EngineStartupError
+
+    try:
+        app = serve_app_from_args(a)
+    except EngineStartupError as e:  # as main() answers the same errors raised in this process
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    claim_server_cpus(a)
+    # Our own log line per request replaces uvicorn's access log (which would add nothing).
+    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level.lower(),
+                                           access_log=False, timeout_graceful_shutdown=5))
+    died = False
+
+    def on_dead() -> None:
+        # A dead engine cannot come back: stop, and exit non-zero so that a supervisor restarts us.
+        nonlocal died
+        died = True
+        server.should_exit = True
+
+    app.state.server.async_engine.on_dead = on_dead
+    server.run()
+    if died:
+        print("error: the engine died; the server stopped", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_subcommand(sub: Any) -> None:
+    s = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("TOKENSLICE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENSLICE_API_KEY); "
+                        "/health and /metrics stay open")
+    s.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
+    add_field_flag(s, ServerSettings, "max_waiting",
+                   help="requests allowed to wait for their first token; more get 429 with Retry-After")
+    add_field_flag(s, ServerSettings, "max_body_bytes", help="larger request bodies get 413")
+    add_field_flag(s, ServerSettings, "engine_process", action=argparse.BooleanOptionalAction,
+                   help="run the engine core in its own process, the default (HTTP work then never holds its "
+                        "interpreter lock); --no-engine-process: on a thread of the server process")
+    add_field_flag(s, CpuConfig, "api_server_cpus",
+                   help="CPUs kept for the API server (HTTP, detokenization); the engine core gets the rest "
+                        "(0: no split)")
+    add_field_flag(s, CpuConfig, "engine_threads",
+                   help="torch threads in the engine (default: one per engine CPU, or $OMP_NUM_THREADS)")
+    add_field_flag(s, CpuConfig, "pin_cpus", action=argparse.BooleanOptionalAction,
+                   help="bind the API server and the engine core to their own CPUs (Linux; default: only "
+                        "with more than 2 CPUs)")
+    s.set_defaults(func=cmd_serve)
