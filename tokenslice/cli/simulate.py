@@ -71,7 +71,7 @@ def add_subcommand(sub: Any) -> None:
     m.add_argument("--seeds", default=None, help="comma-separated seeds (overrides --seed)")
     flag("num_requests")
     flag("max_batch_size", help=f"smaller than serve's ({SchedulerConfig.max_batch_size}): the scheduling "
-         "benchmarks' batch (BENCHMARKS.md), small enough that the queue builds and the order matters")
+         "benchmarks' batch (docs/benchmarks/scheduling-simulated.md), small enough that the queue builds and the order matters")
     flag("max_tokens_per_step")
     flag("kv_cache_blocks", help="device KV blocks (default: ample, every request of the workload fits at once)")
     flag("host_kv_blocks", help=f"host KV blocks for the swap modes (default: {HOST_KV_FACTOR}x the device pool)")
