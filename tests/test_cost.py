@@ -9,9 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenslice.predict.cost import (HARDWARE_SPECS, MODEL_SPECS, PROFILE_FEATURES, profile_features, BatchShape, CostModel,
-                                     ProfileCostModel, RooflineCostModel, TransferSpec, fit_profile, fit_transfer,
-                                     known_cost_models, load_cost_model, nnls)
+from tokenslice.predict.cost import BatchShape, CostModel, TransferSpec, load_cost_model
+from tokenslice.predict.fit import fit_profile, fit_transfer, nnls
+from tokenslice.predict.profile import PROFILE_FEATURES, ProfileCostModel, profile_features
+from tokenslice.predict.roofline import RooflineCostModel
+from tokenslice.predict.specs import HARDWARE_SPECS, MODEL_SPECS, known_cost_models
 
 
 def test_calibration_opt13b_a100_40gb() -> None:

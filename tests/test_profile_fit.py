@@ -23,8 +23,8 @@ from tokenslice.sim.engine import simulated_engine
 from tokenslice.sim.replay import replay
 from tokenslice.engine.step_trace import StepRecord, load_step_trace
 from tokenslice.sim.trace_fit import evaluate_steps, evaluate_trace, fit_steps, grid_measurements, traced_steps
-from tokenslice.predict.cost import (PROFILE_FEATURES, BatchShape, LoopShape, ProfileCostModel, TransferSpec,
-                                     load_cost_model)
+from tokenslice.predict.cost import BatchShape, LoopShape, TransferSpec, load_cost_model
+from tokenslice.predict.profile import PROFILE_FEATURES, ProfileCostModel
 
 FORWARD = {"base": 4e-4, "prefill_tokens": 1.5e-5, "decode_seqs": 3e-5, "context_tokens": 3e-7,
            "prefill_context": 1e-8, "prefill_seqs": 2e-4, "has_prefill": 3e-4, "has_decode": 1e-4}

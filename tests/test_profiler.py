@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from tokenslice.cli import main
-from tokenslice.sim.profiler import GridPoint, fit_relative, profile_grid, reduce_grid
-from tokenslice.predict.cost import BatchShape, ProfileCostModel, load_cost_model
+from tokenslice.predict.fit import fit_relative
+from tokenslice.sim.profile_timing import GridPoint, profile_grid, reduce_grid
+from tokenslice.predict.cost import BatchShape, load_cost_model
+from tokenslice.predict.profile import ProfileCostModel
 
 
 def test_profile_builtin_tiny_loads_in_simulate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

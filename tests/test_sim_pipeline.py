@@ -164,7 +164,8 @@ def test_one_stage_profiles_keep_the_plain_simulator() -> None:
 def test_measured_profile_splits_into_stages() -> None:
     """A profile measured through M stages (one batch at a time): equal stage shares of the pass
     less the sends between them; it round-trips through JSON and drives the pipelined simulator."""
-    from tokenslice.predict.cost import CostModel, ProfileCostModel, TransferSpec
+    from tokenslice.predict.cost import CostModel, TransferSpec
+    from tokenslice.predict.profile import ProfileCostModel
 
     coef = {"base": 1e-3, "prefill_tokens": 1e-5, "decode_seqs": 2e-5, "context_tokens": 1e-7, "prefill_context": 0.0}
     cost = ProfileCostModel(coef, TransferSpec(1e10, 1e-5), 1024, model="m", device="cpu", pipeline_parallel=2,
@@ -186,7 +187,8 @@ def test_fitted_stage_factors_and_loop_time_shape_the_pipe() -> None:
     """Stages fitted to a real pipeline (`stage_factors`: one stage slower than an equal share)
     round-trip through JSON and bound two-in-flight throughput by the slow stage; the engine
     loop's time is serial between a batch's return and the next submit."""
-    from tokenslice.predict.cost import CostModel, ProfileCostModel, TransferSpec
+    from tokenslice.predict.cost import CostModel, TransferSpec
+    from tokenslice.predict.profile import ProfileCostModel
 
     coef = {"base": 1e-3, "prefill_tokens": 1e-5, "decode_seqs": 2e-5, "context_tokens": 1e-7, "prefill_context": 0.0}
 
@@ -223,7 +225,8 @@ def test_fitted_stage_factors_and_loop_time_shape_the_pipe() -> None:
 def test_a_measured_spread_of_stage_times_stalls_a_full_pipe() -> None:
     """Stage times drawn around their means (`stage_cv`, seeded): the same run twice gives the
     same clock, and two batches over two equal stages lose throughput to the jitter."""
-    from tokenslice.predict.cost import CostModel, ProfileCostModel, TransferSpec
+    from tokenslice.predict.cost import CostModel, TransferSpec
+    from tokenslice.predict.profile import ProfileCostModel
 
     coef = {"base": 1e-3, "prefill_tokens": 1e-5, "decode_seqs": 2e-5, "context_tokens": 1e-7, "prefill_context": 0.0}
 

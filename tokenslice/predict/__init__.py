@@ -1,6 +1,7 @@
-"""Predictors the scheduler and simulator consult: execution time (cost.py) and output length.
+"""Predictors the scheduler and simulator consult: execution time (cost.py: the CostModel
+interface; roofline.py, profile.py, fit.py, specs.py) and output length.
 
-cost.py imports no torch: the simulator and the policies run on plain Python and numpy. The
+The cost models import no torch: the simulator and the policies run on plain Python and numpy. The
 output-length predictor (length.py and its helpers: sentence embeddings, an MLP) does, and is
 imported only where a predictor is used.
 """

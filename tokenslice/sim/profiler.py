@@ -3,8 +3,8 @@
 ALISE §3.1 models an iteration's time as linear in the batch's token counts. We run a grid of real
 steps through the engine's ModelRunner — lone and batched prefills of several lengths, chunked
 prefills over a cached prefix, decodes at several batch sizes and context lengths, and a few mixed
-batches — each with its own block tables from a KVManager, time them, and fit
-`predict.cost.fit_profile` on (BatchShape, seconds). The BatchShape of a plan is the simulator's
+batches — each with its own block tables from a KVManager, time them (sim/profile_timing.py), and
+fit `predict.fit.fit_relative` on (BatchShape, seconds). The BatchShape of a plan is the simulator's
 own (`SimulatedExecutor.shape`), so a profile predicts exactly what the simulator will ask.
 
 KV transfer cost is measured too: copies of N blocks' worth of bytes between device and host
@@ -34,44 +34,20 @@ from tokenslice.sim.profile_options import ProfileOptions
 from tokenslice.engine.step_trace import load_step_trace
 from tokenslice.sim.trace_fit import fit_steps, grid_measurements, traced_steps
 from tokenslice.sim.executor import SimulatedExecutor
+from tokenslice.sim.profile_timing import (GridTarget, grid_blocks, measure_transfer, profile_grid, reduce_grid,
+                                           sync_device, time_grid)
 from tokenslice.kv.manager import KVManager
-from tokenslice.plan import SeqSlice, StepPlan
-from tokenslice.predict.cost import (PROFILE_FEATURES, BatchShape, ProfileCostModel, TransferSpec, fit_profile,
-                                     fit_transfer, nnls, profile_features)
+from tokenslice.plan import StepPlan
+from tokenslice.predict.cost import BatchShape, TransferSpec
+from tokenslice.predict.fit import fit_relative, fit_transfer, nnls
+from tokenslice.predict.profile import ProfileCostModel
 from tokenslice.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# Transfer sizes stop at this many bytes per copy: enough to see bandwidth, quick on 2 CPU cores.
-MAX_TRANSFER_BYTES = 64 << 20
 # KV pool for the grid may use at most this share of the memory available on the device: the
 # share the engine's own pool takes by default.
 KV_MEMORY_SHARE = CacheConfig.kv_memory_fraction
-
-
-@dataclass(frozen=True)
-class GridPoint:
-    """One step to measure: prefill chunks as (new tokens, cached tokens) and decode contexts."""
-
-    prefill: tuple[tuple[int, int], ...] = ()
-    decode: tuple[int, ...] = ()
-
-    def total_tokens_per_seq(self) -> list[int]:
-        return [q + past for q, past in self.prefill] + list(self.decode)
-
-    @property
-    def kind(self) -> str:
-        return "mixed" if self.prefill and self.decode else "prefill" if self.prefill else "decode"
-
-
-@dataclass
-class GridTarget:
-    """Where grid steps run: `execute(plan)` on `device` (timing waits for it there), then
-    `forget(ids)` drops the steps' per-request state (the sampler's)."""
-
-    execute: Callable[[StepPlan], Any]
-    forget: Callable[[list[str]], None]
-    device: torch.device
 
 
 @dataclass
@@ -95,173 +71,6 @@ class ProfileReport:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
-def _powers(lo: int, hi: int) -> list[int]:
-    out, x = [], lo
-    while x <= hi:
-        out.append(x)
-        x *= 2
-    return out
-
-
-def profile_grid(max_batch_size: int, max_context: int, max_tokens_per_step: int) -> list[GridPoint]:
-    """The full grid: prefills, chunked prefills, decodes and mixed steps within the limits."""
-    ctx_cap = max_context - 1  # leave room for the sampled token
-    grid: list[GridPoint] = []
-    for length in _powers(16, min(ctx_cap, max_tokens_per_step)):
-        for b in (1, 2, 4):
-            if b * length <= max_tokens_per_step and b <= max_batch_size:
-                grid.append(GridPoint(prefill=((length, 0),) * b))
-    for q in (32, 128):
-        for past in (128, 512):
-            if q + past <= ctx_cap:
-                grid.append(GridPoint(prefill=((q, past),)))
-    batches = sorted({b for b in _powers(1, max_batch_size)} | {max_batch_size})
-    contexts = sorted({c for c in (16, 64, 256, 1024) if c <= ctx_cap} | {ctx_cap})
-    for b in batches:
-        for c in contexts:
-            grid.append(GridPoint(decode=(c,) * b))
-    # Mixed steps (a decode batch plus a newcomer's prefill) are what continuous batching runs
-    # most under load; each attention group has a fixed cost the fit must see.
-    for b in sorted({1, 2, max(2, max_batch_size // 2), max(1, max_batch_size - 1)}):
-        for length in (16, 32, 128):
-            for ctx in sorted({min(64, ctx_cap), min(256, ctx_cap)}):
-                if length <= ctx_cap and length + b <= max_tokens_per_step and b < max_batch_size:
-                    grid.append(GridPoint(prefill=((length, 0),), decode=(ctx,) * b))
-    return grid
-
-
-def reduce_grid(grid: Sequence[GridPoint], samples: int | None) -> list[GridPoint]:
-    """`samples` points spread evenly over the grid (which is ordered by kind, so every kind keeps
-    its share), always keeping the first and last."""
-    if samples is None or samples >= len(grid):
-        return list(grid)
-    if samples < 6:
-        raise ValueError(f"--samples must be at least 6 (the fit has 5 coefficients), got {samples}")
-    idx = sorted({int(round(i)) for i in np.linspace(0, len(grid) - 1, samples)})
-    return [grid[i] for i in idx]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _plan(point: GridPoint, kv: KVManager, vocab: int, rng: np.random.Generator, tag: str) -> tuple[StepPlan, list[str]]:
-    """A StepPlan for the point, with fresh block tables; returns it and the ids to free after."""
-    params = SamplingParams(max_tokens=1 << 30, temperature=0.0, ignore_eos=True)
-    plan = StepPlan()
-    ids: list[str] = []
-    for i, (q, past) in enumerate(point.prefill):
-        rid = f"{tag}-p{i}"
-        kv.ensure(rid, past + q)
-        toks = rng.integers(0, vocab, size=q).tolist()
-        plan.prefill.append(SeqSlice(rid, toks, past, kv.block_table(rid), True, params, 0))
-        ids.append(rid)
-    for i, ctx in enumerate(point.decode):
-        rid = f"{tag}-d{i}"
-        kv.ensure(rid, ctx)
-        plan.decode.append(SeqSlice(rid, [int(rng.integers(0, vocab))], ctx - 1, kv.block_table(rid), True,
-                                    params, 1))
-        ids.append(rid)
-    return plan, ids
-
-
-def time_point(target: GridTarget, point: GridPoint, kv: KVManager, vocab: int, rng: np.random.Generator,
-               tag: str) -> tuple[BatchShape, float]:
-    """Wall seconds of one execution of the point's plan (built with fresh block tables)."""
-    plan, ids = _plan(point, kv, vocab, rng, tag)
-    try:
-        _sync(target.device)
-        t0 = time.perf_counter()
-        target.execute(plan)
-        _sync(target.device)
-        return SimulatedExecutor.shape(plan), time.perf_counter() - t0
-    finally:
-        for rid in ids:
-            kv.free(rid)
-        target.forget(ids)
-
-
-def time_grid(target: GridTarget, points: Sequence[GridPoint], kv: KVManager, vocab: int, repeats: int,
-              rng: np.random.Generator,
-              progress: Callable[[int, int], None] | None = None) -> list[tuple[BatchShape, float]]:
-    """Median of `repeats` timings per point, after one untimed warm-up pass.
-
-    Passes sweep the whole grid, so a point's repeats are spread over the run and one burst of
-    outside load cannot spoil them all. The median, not the minimum: the engine lives with typical
-    steps, and best-case times made simulated queues systematically shorter than the real ones
-    (fcfs latency half the real value near saturation, where queueing magnifies small errors).
-    """
-    times: list[list[float]] = [[] for _ in points]
-    shapes: list[BatchShape | None] = [None] * len(points)
-    total = (repeats + 1) * len(points)
-    for r in range(repeats + 1):
-        for i, p in enumerate(points):
-            shape, secs = time_point(target, p, kv, vocab, rng, f"r{r}-g{i}")
-            shapes[i] = shape
-            if r:  # pass 0 pays for lazy init and first-shape costs
-                times[i].append(secs)
-            if progress:
-                progress(r * len(points) + i + 1, total)
-    return [(shape, float(np.median(t))) for shape, t in zip(shapes, times, strict=True) if shape is not None]
-
-
-def measure_transfer(block_bytes: int, device: torch.device, repeats: int = 3,
-                     max_bytes: int = MAX_TRANSFER_BYTES) -> list[tuple[int, int, float]]:
-    """(bytes, ops, seconds) for copies of N blocks, each as one copy and as N per-block copies,
-    in both directions (device->host is swap-out, host->device swap-in)."""
-    elems = max(block_bytes // 4, 1)  # float32 stand-in: only bytes matter to the link
-    counts = [n for n in (1, 8, 64, 512, 4096) if n * elems * 4 <= max_bytes] or [1]
-    pin = device.type == "cuda"
-    big = counts[-1] * elems
-    dev = torch.empty(big, dtype=torch.float32, device=device)
-    host = torch.empty(big, dtype=torch.float32, pin_memory=pin)
-    dev.fill_(1.0)
-    host.fill_(1.0)
-    out: list[tuple[int, int, float]] = []
-    for n in counts:
-        for many in (False, True):
-            if many and n == 1:
-                continue
-            for src, dst in ((dev, host), (host, dev)):
-                times = []
-                for r in range(repeats + 1):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    if many:
-                        for i in range(n):
-                            dst[i * elems:(i + 1) * elems].copy_(src[i * elems:(i + 1) * elems], non_blocking=pin)
-                    else:
-                        dst[:n * elems].copy_(src[:n * elems], non_blocking=pin)
-                    _sync(device)
-                    if r:
-                        times.append(time.perf_counter() - t0)
-                out.append((n * elems * 4, n if many else 1, float(np.min(times))))
-    return out
-
-
-def fit_relative(samples: Sequence[tuple[BatchShape, float]], **kwargs: Any) -> ProfileCostModel:
-    """`fit_profile`, then refit the coefficients to minimise *relative* error.
-
-    Plain least squares is ruled by the largest steps (a 2k-token prefill is 100x a decode), and
-    then predicts ~0 for a lone decode — the step policies and the SLO are built from. Dividing
-    each row by its measured time weights every step alike. r^2 stays on the plain scale.
-    """
-    cost = fit_profile(samples, **kwargs)
-    a = np.array([profile_features(shape) for shape, _ in samples])
-    y = np.array([s for _, s in samples])
-    w = 1.0 / np.maximum(y, 1e-9)
-    aw = a * w[:, None]
-    norms = np.linalg.norm(aw, axis=0)
-    scale = np.where(norms > 0, norms, 1.0)  # same column normalisation as fit_profile
-    coef = nnls(aw / scale, np.ones_like(y)) / scale
-    ss_tot = float(np.sum((y - y.mean()) ** 2))
-    r2 = 1.0 - float(np.sum((y - a @ coef) ** 2)) / ss_tot if ss_tot > 0 else 1.0
-    return ProfileCostModel(coefficients=dict(zip(PROFILE_FEATURES, (float(c) for c in coef))),
-                            transfer=cost.transfer, kv_bytes_per_token=cost.kv_bytes_per_token, model=cost.model,
-                            device=cost.device, samples=cost.samples, r2=r2, tensor_parallel=cost.tensor_parallel)
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device).lower().replace(" ", "-")
@@ -273,10 +82,6 @@ def _max_context(opts: ProfileOptions, limit: int) -> int:
     if max_ctx < 17:
         raise ValueError(f"max context {max_ctx} is too short to profile (need at least 17 tokens)")
     return max_ctx
-
-
-def _grid_blocks(point: GridPoint, block_size: int) -> int:
-    return sum(-(-t // block_size) for t in point.total_tokens_per_seq())
 
 
 def _fit(samples: list[tuple[BatchShape, float]], transfer_samples: list[tuple[int, int, float]],
@@ -314,13 +119,13 @@ def run_profile(opts: ProfileOptions, progress: Callable[[int, int], None] | Non
     elem = torch.finfo(loaded.dtype).bits // 8
     block_bytes = bs * loaded.arch.kv_bytes_per_token // 4 * elem  # arch counts 4-byte values
     budget = max(int(available_memory_bytes(loaded.device) * KV_MEMORY_SHARE) // block_bytes, 1)
-    kept = [p for p in grid if _grid_blocks(p, bs) <= budget]
+    kept = [p for p in grid if grid_blocks(p, bs) <= budget]
     if len(kept) < len(grid):
         log.warning("skipping %d grid points that need more KV than %.0f%% of free memory",
                     len(grid) - len(kept), KV_MEMORY_SHARE * 100)
     if len(kept) < 6:
         raise ValueError("too few grid points fit in memory; lower --max-batch-size or --max-context")
-    num_blocks = max(_grid_blocks(p, bs) for p in kept)
+    num_blocks = max(grid_blocks(p, bs) for p in kept)
     runner = ModelRunner(loaded, num_blocks, bs, opts.seed)
     kv = KVManager(bs, num_blocks)
     rng = np.random.default_rng(opts.seed)
@@ -354,7 +159,7 @@ def _profile_parallel(opts: ProfileOptions, progress: Callable[[int, int], None]
     grid = reduce_grid(profile_grid(opts.max_batch_size, max_ctx, opts.max_tokens_per_step), opts.samples)
     lens = calibration_lengths(opts, max_ctx)
     bs = opts.block_size
-    blocks = max(max(_grid_blocks(p, bs) for p in grid), sum(-(-(p + o) // bs) for p, o in lens))
+    blocks = max(max(grid_blocks(p, bs) for p in grid), sum(-(-(p + o) // bs) for p, o in lens))
     engine = Engine.from_config(EngineConfig(
         model=model, cache=CacheConfig(block_size=bs, kv_cache_blocks=blocks),
         scheduler=SchedulerConfig(policy="fcfs", max_batch_size=opts.max_batch_size,
@@ -424,7 +229,7 @@ def engine_calibration(eng: Any, cost: ProfileCostModel, lens: Sequence[tuple[in
     def timed(plan: Any) -> Any:
         t = time.perf_counter()
         out = execute(plan)
-        _sync(device)
+        sync_device(device)
         steps.append((cost.iteration_seconds(SimulatedExecutor.shape(plan)), time.perf_counter() - t,
                       len(plan.prefill) + len(plan.decode)))
         return out
@@ -499,6 +304,5 @@ def describe(report: ProfileReport) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GridPoint", "GridTarget", "ProfileReport", "profile_grid", "reduce_grid", "calibration_lengths",
-           "time_point", "time_grid", "measure_transfer", "fit_relative", "device_name", "run_profile",
-           "profile_from_traces", "describe"]
+__all__ = ["ProfileReport", "calibration_lengths", "device_name", "run_profile", "profile_from_traces",
+           "describe"]

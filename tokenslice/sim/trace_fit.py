@@ -32,9 +32,10 @@ import numpy as np
 from tokenslice.config import CacheConfig
 from tokenslice.engine.step_trace import StepRecord, load_step_trace
 from tokenslice.sim.executor import offload_block_bytes
-from tokenslice.predict.cost import (LOOP_FEATURES, PROFILE_FEATURES, BatchShape, CostModel, LoopShape,
-                                     ProfileCostModel, TransferSpec, fit_transfer, loop_features, nnls,
-                                     profile_features)
+from tokenslice.predict.cost import BatchShape, CostModel, LoopShape, TransferSpec
+from tokenslice.predict.fit import fit_transfer, nnls
+from tokenslice.predict.profile import (LOOP_FEATURES, PROFILE_FEATURES, ProfileCostModel, loop_features,
+                                        profile_features)
 
 STEP_KINDS = ("prefill", "decode", "mixed", "swap", "empty")
 
@@ -100,6 +101,32 @@ def _relative_fit(a: np.ndarray, y: np.ndarray, wall: np.ndarray) -> np.ndarray:
     return l1_nnls(a, y, 1.0 / np.maximum(wall, 1e-9))
 
 
+def _forward_fit(fwd: Sequence[TracedStep], grid: Sequence[tuple[BatchShape, float]]) -> np.ndarray:
+    """Coefficients over PROFILE_FEATURES of the traced forward passes and the timed grid batches."""
+    y = np.array([s.forward_seconds for s in fwd])
+    a = np.array([profile_features(s.shape) for s in fwd])
+    weights = 1.0 / np.maximum(y, 1e-9)
+    timed_grid = [(shape, t) for shape, t in grid if t > 0]
+    if timed_grid:
+        yg = np.array([t for _, t in timed_grid])
+        wg = len(fwd) / len(timed_grid) / yg  # relative error, the grid as a whole as heavy as the trace
+        a = np.vstack([a, np.array([profile_features(shape) for shape, _ in timed_grid])])
+        y, weights = np.concatenate([y, yg]), np.concatenate([weights, wg])
+    return l1_nnls(a, y, weights)
+
+
+def _link_fit(steps: Sequence[TracedStep], block_bytes: int, transfer: TransferSpec) -> TransferSpec:
+    """The host link fitted on the steps' synchronous copies; `transfer` when they are too few."""
+    copies = [(s.copy_blocks * block_bytes, s.copy_runs, s.transfer_seconds) for s in steps
+              if s.copy_blocks and s.transfer_seconds > 0]
+    if len({b for b, _, _ in copies}) >= 2:
+        try:
+            return fit_transfer(copies)
+        except ValueError:
+            pass  # copies too noisy to see bandwidth in: keep the measured link
+    return transfer
+
+
 def fit_steps(steps: Sequence[TracedStep], *, kv_bytes_per_token: int, block_bytes: int,
               transfer: TransferSpec, model: str = "unknown", device: str = "unknown",
               tensor_parallel: int = 1, match_total: bool = True,
@@ -116,24 +143,8 @@ def fit_steps(steps: Sequence[TracedStep], *, kv_bytes_per_token: int, block_byt
     fwd = [s for s in steps if not s.shape.is_empty() and s.forward_seconds > 0]
     if len(fwd) < len(PROFILE_FEATURES):
         raise ValueError(f"traces hold {len(fwd)} steps with a batch; the fit needs at least {len(PROFILE_FEATURES)}")
-    y = np.array([s.forward_seconds for s in fwd])
-    a = np.array([profile_features(s.shape) for s in fwd])
-    weights = 1.0 / np.maximum(y, 1e-9)
-    timed_grid = [(shape, t) for shape, t in grid if t > 0]
-    if timed_grid:
-        yg = np.array([t for _, t in timed_grid])
-        wg = len(fwd) / len(timed_grid) / yg  # relative error, the grid as a whole as heavy as the trace
-        a = np.vstack([a, np.array([profile_features(shape) for shape, _ in timed_grid])])
-        y, weights = np.concatenate([y, yg]), np.concatenate([weights, wg])
-    coef = l1_nnls(a, y, weights)
-
-    copies = [(s.copy_blocks * block_bytes, s.copy_runs, s.transfer_seconds) for s in steps
-              if s.copy_blocks and s.transfer_seconds > 0]
-    if len({b for b, _, _ in copies}) >= 2:
-        try:
-            transfer = fit_transfer(copies)
-        except ValueError:
-            pass  # copies too noisy to see bandwidth in: keep the measured link
+    coef = _forward_fit(fwd, grid)
+    transfer = _link_fit(steps, block_bytes, transfer)
 
     timed = [s for s in steps if s.wall_seconds is not None]
     loop = np.zeros(len(LOOP_FEATURES))
