@@ -17,7 +17,7 @@ from tokenslice.predict.specs import HARDWARE_SPECS, MODEL_SPECS, known_cost_mod
 
 
 def test_calibration_opt13b_a100_40gb() -> None:
-    # Reference values quoted in the project's issues: ~23 ms decode at batch 1, ~80 ms lone 512 prefill.
+    # Reference values the project's targets quote: ~23 ms decode at batch 1, ~80 ms lone 512 prefill.
     cm = load_cost_model("opt-13b@a100-40gb")
     assert cm.min_iteration_seconds() == pytest.approx(0.023, rel=0.15)
     assert cm.decode_seconds(1, 64) == pytest.approx(0.023, rel=0.15)

@@ -21,7 +21,7 @@ What it does, in order:
      at two Poisson rates; mean and p99 TTFT under CV-4 bursts at rho = 0.8 of tokenslice fcfs's
      16-concurrent throughput (the same absolute rate for every server).
 
-Every point uses --num-requests requests (default 96, not the issue's 200, to fit ~12 minutes
+Every point uses --num-requests requests (default 96, not the target's 200, to fit ~12 minutes
 on a quiet 2-core machine after the build; 1 stream uses a quarter of them).
 
     .venv/bin/python benchmarks/decode/vs_llamacpp.py [--models stories260k,24m] [--num-requests 96]
@@ -54,7 +54,7 @@ from llama24m import STORIES, build_llama24m  # noqa: E402
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
 SENTENCEPIECE = "0.2.1"  # convert_hf_to_gguf.py imports it for Llama vocabularies
 SLOTS, THREADS = 16, 2
-# Per model: Poisson rates (req/s) for the normalized-latency rows. stories260k's are the issue's;
+# Per model: Poisson rates (req/s) for the normalized-latency rows. stories260k's are the targets';
 # the 24M model's sit at the same fractions of llama-server's throughput.
 RATES = {"stories260k": (16.0, 24.0), "24m": (4.0, 6.0)}
 RHO = 0.8  # burst load, as a fraction of tokenslice fcfs's saturation throughput

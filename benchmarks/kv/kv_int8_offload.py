@@ -1,4 +1,4 @@
-"""KV-memory issue: int8 offload (ALISE §3.2) against full precision on the real engine.
+"""KV memory: int8 offload (ALISE §3.2) against full precision on the real engine.
 
 stories260k, 200 Alpaca instructions (prompts cut to 96 tokens), greedy, 64 new tokens each,
 skip-join-mlfq with reactive-swap on a device pool too small for the load (so most requests are

@@ -1,4 +1,4 @@
-"""KV-memory issue: preemption modes where memory binds (FastServe Fig. 15), simulated.
+"""KV memory: preemption modes where memory binds (FastServe Fig. 15), simulated.
 
 Setting (memory-bound on purpose): profile opt-13b@a100-40gb, ShareGPT, Poisson arrivals,
 skip-join-mlfq, batch 64 (not 16: at 16 the 14,000-token pool seldom binds), device KV 14,000

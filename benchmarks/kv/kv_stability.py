@@ -1,4 +1,4 @@
-"""KV-memory issue: stability under memory pressure (simulated).
+"""KV memory: stability under memory pressure (simulated).
 
 Profile opt-13b@a100-40gb, ShareGPT, batch 16, device KV 14,000 tokens (what an A100-40GB leaves
 next to OPT-13B), host 4x that; skip-join-mlfq with starvation promotion on, in every preemption

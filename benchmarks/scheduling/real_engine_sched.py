@@ -1,4 +1,4 @@
-"""Real engine, same scheduler code (scheduling issue, items 5 and 7).
+"""Real engine, same scheduler code (scheduling benchmarks, parts 5 and 7).
 
 On this CPU with ../shared/models/stories260k and an Alpaca-shaped workload (GPT-2 token counts,
 vLLM's length filter, prompt + output capped to the model's 512-token context), Gamma CV = 4

@@ -1,4 +1,4 @@
-"""Scheduling issue, item 3: FastServe Fig. 14 on the simulator - the input:output length ratio.
+"""Scheduling benchmarks, part 3: FastServe Fig. 14 on the simulator - the input:output length ratio.
 
 ShareGPT lengths rescaled to mean(input) / mean(output) = R with the mean total kept
 (`--io-ratio R`), R = 0.25, 1, 4, 16, 64, 256; policies fcfs, fixed-priority, mlfq,

@@ -1,4 +1,4 @@
-"""Scheduling issue, item 2: the paper protocol (docs/DESIGN.md, "Benchmark protocols") on the simulator.
+"""Scheduling benchmarks, part 2: the paper protocol (docs/DESIGN.md, "Benchmark protocols") on the simulator.
 
 A finite ShareGPT trace (N = 2,000 by default), Poisson arrivals, a rate sweep, and each policy's
 max rate under the SLO (mean normalized latency <= 10x the profile's decode iteration time, the

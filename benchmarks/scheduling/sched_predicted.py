@@ -1,5 +1,5 @@
-"""Speculative scheduling (ALISE issue): srpt-predicted driven by the real output-length predictor,
-on the simulator (profile opt-13b@a100-40gb, batch 16, the scheduling issue's setup from
+"""Speculative scheduling (ALISE): srpt-predicted driven by the real output-length predictor,
+on the simulator (profile opt-13b@a100-40gb, batch 16, the scheduling benchmarks' setup from
 sched_common) and on the real engine (stories260k on this CPU).
 
 Predictors and workloads never share records. `prepare` splits each dataset as
@@ -694,7 +694,7 @@ AGING_CELLS = [(1.0, 0.9), (2.0, 0.8)]  # (arrival CV, load): Poisson and modera
 
 
 def aging(n: int) -> None:
-    """srpt_aging against mean and tail on cells that are not the issue's targets (Poisson at 0.9,
+    """srpt_aging against mean and tail on cells that are not the target cells (Poisson at 0.9,
     Gamma CV 2 at 0.8), both datasets: the evidence for the default, apart from the CV 4 cells."""
     runs = []
     for name in SPLITS:

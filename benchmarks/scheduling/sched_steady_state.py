@@ -1,8 +1,8 @@
-"""Scheduling issue, item 1: the steady-state protocol (docs/DESIGN.md, "Benchmark protocols") on the
+"""Scheduling benchmarks, part 1: the steady-state protocol (docs/DESIGN.md, "Benchmark protocols") on the
 simulator. N = 8,000 ShareGPT (or Alpaca) requests, seeds 0 and 1, load as a fraction rho of fcfs's
 saturation throughput on the same setup.
 
-- the issue's three cells with all six policies: ShareGPT Gamma CV=4 at rho=0.8, ShareGPT Poisson
+- the three target cells with all six policies: ShareGPT Gamma CV=4 at rho=0.8, ShareGPT Poisson
   at rho=0.9, Alpaca Gamma CV=4 at rho=0.9, with the targets marked PASS/MISS;
 - the protocol grid rho = 0.6, 0.8, 0.95 x {Poisson, CV=4} for fcfs, skip-join-mlfq, srpt-oracle.
 

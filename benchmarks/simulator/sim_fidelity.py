@@ -73,7 +73,7 @@ MODELS = {"stories260k": (200, 256, 255), "llama-56m": (40, 64, 32)}
 
 
 def target(point: TwinPoint) -> float:
-    """The issue's bound on |error|: 10% up to rho = 0.7 under Poisson, 20% beyond or bursty."""
+    """The target bound on |error|: 10% up to rho = 0.7 under Poisson, 20% beyond or bursty."""
     return 0.10 if point.cv == 1.0 and (point.load or 0.0) <= 0.7 else 0.20
 
 

@@ -1,4 +1,4 @@
-"""Simulator speed (scheduling issue, item 4): 100,000 ShareGPT requests through skip-join-mlfq,
+"""Simulator speed (scheduling benchmarks, part 4): 100,000 ShareGPT requests through skip-join-mlfq,
 and the scheduler's decision time with 1,000 and 10,000 live requests (the policy's and vtc's,
 with prefix-cache lookups). `--num-requests 0` times the decisions only.
 

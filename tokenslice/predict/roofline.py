@@ -5,7 +5,7 @@ operations (dense matmuls against the weights, attention against the KV cache); 
 takes max(FLOPs / compute rate, bytes / memory bandwidth), plus fixed kernel-launch and
 per-iteration overheads. Efficiency factors are calibrated so that opt-13b on an A100-40GB
 decodes one sequence in ~23 ms and prefills a lone 512-token prompt in ~80 ms, the reference
-values the project's issues quote. With tensor parallelism (`:tpN`) every GPU computes and
+values the project's targets quote. With tensor parallelism (`:tpN`) every GPU computes and
 reads 1/N of the weights and KV, and the iteration pays Megatron-style ring collectives over
 the GPU link (`tp_comm_seconds`; `:nvlink` or `:pcie`, default the card's own). With pipeline
 parallelism (`:ppM`) the layers split into M stages of TP groups (`stage_seconds`), and a
