@@ -73,6 +73,7 @@ def test_invalid_request_and_admission_limit(engine: Engine) -> None:
                 await ae.add_request(EngineRequest("too-long", [1] * 5000, SamplingParams(max_tokens=4)))
             assert exc.value.param == "prompt"
             assert ae.num_queued == 0
+            assert "too-long" not in ae._outputs._tracked  # a refused request keeps no text state
             # Two admitted requests hold the queue until they produce output; a third is refused.
             a = asyncio.ensure_future(ae.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=4))))
             b = asyncio.ensure_future(ae.add_request(EngineRequest("b", [1, 2, 3], SamplingParams(max_tokens=4))))

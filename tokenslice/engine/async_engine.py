@@ -170,11 +170,6 @@ class AsyncEngine(StreamAdmission):
         return await result
 
     # ---- loop thread -> event loop ----------------------------------------------------------
-    def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
-        if error is not None:  # refused: no output will come
-            self._outputs.forget(stream.request_id)
-        super()._settle(stream, error)
-
     def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
         assert self._loop is not None
         try:

@@ -237,7 +237,6 @@ class EngineCoreClient(StreamAdmission):
             if stream is not None:
                 if reply.error is not None:
                     del self._live[reply.request_id]
-                    self._outputs.forget(reply.request_id)
                 self._settle(stream, None if reply.error is None else self._error(reply.error))
         for p in msg.priorities:
             _answer(self._priority_calls.get(p.call_id), p.live, None if p.error is None else self._error(p.error))

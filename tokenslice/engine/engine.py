@@ -73,7 +73,6 @@ class Engine:
         self.detokenize = True
         self._text = OutputProcessor(tokenizer, self._stop) if tokenizer is not None else None
         self.step_trace: StepTraceWriter | None = None  # --step-trace: one record per real step
-        self._step_began = 0.0  # clock time the last executed step began (the simulator's trace start)
         self.max_in_flight = max_in_flight
         self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
 
@@ -235,7 +234,6 @@ class Engine:
             self.timings.update_s += time.perf_counter() - t1
             return ran, finished
         counts = self._trace_counts()
-        self._step_began = self.clock.now()
         result = self.executor.execute(plan)
         self._executed(result)
         return self._apply(plan, result, t0, t1, counts)
@@ -280,7 +278,6 @@ class Engine:
             return [], []
         result = ex.poll()
         plan = self._pipe.popleft()
-        self._step_began = self.clock.now()  # pipelined: when the loop began waiting for this batch
         self._executed(result)
         return self._apply(plan, result, t0, t1, counts)
 

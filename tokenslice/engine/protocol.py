@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tokenslice.engine.output import OutputProcessor
 from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput
 from tokenslice.sched.stats import SchedulerStats
 
@@ -144,6 +145,8 @@ class StreamAdmission:
     waiting for their first output (max_waiting; more are refused for a 429), and handing
     results to streams."""
 
+    _outputs: OutputProcessor  # each client's: its streams' text, stop strings and metrics
+
     def __init__(self, max_waiting: int) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
@@ -182,9 +185,10 @@ class StreamAdmission:
             self._num_queued -= 1
 
     def _settle(self, stream: RequestStream, error: BaseException | None) -> None:
-        """The engine's answer to an add: accepted, or refused with `error`."""
+        """The engine's answer to an add: accepted, or refused with `error` (no output will come)."""
         if error is not None:
             self._unqueue(stream)
+            self._outputs.forget(stream.request_id)
         if not stream.accepted.done():  # done already if the handler was cancelled
             if error is None:
                 stream.accepted.set_result(None)

@@ -36,6 +36,7 @@ class SimulatedEngine(Engine):
         # forward pass, as a real engine's scheduling and bookkeeping take time.
         self.loop_cost: CostModel | None = None
         self._arrivals = 0  # requests added since the last step
+        self._step_began = 0.0  # when the last executed step began (pipelined: its wait began); traced
 
     def add(self, new: EngineRequest, prompt_text: str | None = None) -> Request:
         req = super().add(new, prompt_text)
@@ -43,6 +44,7 @@ class SimulatedEngine(Engine):
         return req
 
     def _executed(self, result: StepResult) -> None:
+        self._step_began = self.clock.now()  # the executors only read the clock: the step starts now
         if self.max_in_flight == 1:
             self.clock.advance(result.step_seconds + self._loop_seconds(len(result.sampled)))
             return
