@@ -25,14 +25,12 @@ from tokenslice.engine.request_checks import check_priority, check_prompt
 from tokenslice.engine.step_trace import StepTraceWriter, step_record
 from tokenslice.exec.base import Executor
 from tokenslice.exec.factory import start_model
-from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.predict.online import OnlineLengthPredictor
 from tokenslice.request import CompletionOutput, EngineRequest, Request, RequestOutput, SamplingParams, TokenLogprobs
-from tokenslice.sched.policy import PolicyContext
-from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
-from tokenslice.sched.scheduler import Scheduler
+from tokenslice.sched.registry import PREEMPTION_STRATEGIES
+from tokenslice.sched.scheduler import Scheduler, build_scheduler
 from tokenslice.sched.snapshot import snapshot
 
 log = logging.getLogger(__name__)
@@ -88,13 +86,11 @@ class Engine:
             log.info("model %s (%s, tensor-parallel size %d, %d pipeline stages): %d KV blocks of %d tokens, "
                      "%d host blocks", side.name, side.arch.architecture, config.parallel.tensor_parallel_size,
                      config.parallel.pipeline_parallel_size, side.blocks, config.cache.block_size, side.host_blocks)
-            # Block groups (FastSwitch §3.1) so a swap is a few large copies.
-            kv = KVManager(config.cache.block_size, side.blocks, side.host_blocks,
-                           contiguous=swapping and config.cache.block_groups,
-                           prefix_caching=config.cache.enable_prefix_caching)
-            ctx = PolicyContext(config.scheduler, load_cost_model(config.profile) if config.profile else None)
-            scheduler = Scheduler(config.scheduler, make_policy(config.scheduler.policy, ctx), kv, ctx,
-                                  swap_block_bytes=side.swap_block_bytes)
+            scheduler = build_scheduler(
+                config.scheduler, load_cost_model(config.profile) if config.profile else None,
+                block_size=config.cache.block_size, device_blocks=side.blocks, host_blocks=side.host_blocks,
+                block_groups=config.cache.block_groups, prefix_caching=config.cache.enable_prefix_caching,
+                swap_block_bytes=side.swap_block_bytes)
             engine = cls(scheduler, side.executor, tokenizer=side.tokenizer, clock=RealClock(),
                          max_model_len=side.max_len, vocab_size=side.arch.vocab_size,
                          eos_token_ids=side.eos_token_ids, model_name=side.name,

@@ -8,9 +8,10 @@ from collections.abc import Iterator
 from tokenslice.config import SchedulerConfig
 from tokenslice.kv.manager import KVManager, PrefixHit
 from tokenslice.plan import StepPlan, StepResult, request_slice
+from tokenslice.predict.cost import CostModel
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
-from tokenslice.sched.registry import PREEMPTION_STRATEGIES
+from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.stats import SchedulerStats
 
 
@@ -313,3 +314,15 @@ class Scheduler:
     def take_finished(self) -> list[Request]:
         out, self._finished = self._finished, []
         return out
+
+
+def build_scheduler(config: SchedulerConfig, cost: CostModel | None, *, block_size: int, device_blocks: int,
+                    host_blocks: int, block_groups: bool, prefix_caching: bool, swap_block_bytes: int) -> Scheduler:
+    """The scheduler of a real or simulated engine, over a KV manager for its pools: a host pool
+    only where the preemption strategy swaps, block groups (FastSwitch §3.1) only there too, so
+    a swap is a few large copies. `cost` is what the policies see."""
+    swapping = PREEMPTION_STRATEGIES[config.preemption].uses_host_tier
+    kv = KVManager(block_size, device_blocks, host_blocks if swapping else 0, contiguous=swapping and block_groups,
+                   prefix_caching=prefix_caching)
+    ctx = PolicyContext(config, cost)
+    return Scheduler(config, make_policy(config.policy, ctx), kv, ctx, swap_block_bytes=swap_block_bytes)

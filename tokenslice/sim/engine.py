@@ -12,13 +12,10 @@ from typing import Any
 
 from tokenslice.config import CacheConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
-from tokenslice.kv.manager import KVManager
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import CostModel, LoopShape
 from tokenslice.request import EngineRequest, Request
-from tokenslice.sched.policy import PolicyContext
-from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
-from tokenslice.sched.scheduler import Scheduler
+from tokenslice.sched.scheduler import build_scheduler
 from tokenslice.sim.clock import VirtualClock
 from tokenslice.sim.executor import SimulatedExecutor, offload_block_bytes
 from tokenslice.sim.pipeline import PipelinedSimulatedExecutor
@@ -129,14 +126,11 @@ def simulated_engine(config: SchedulerConfig, cost: CostModel, *, kv_cache_block
     executor, `max_in_flight` batches in the pipe (default one per stage). `policy_cost` is the
     cost model the policies see (default: `cost`), e.g. the profile a real server's policies
     were given, when the clock runs on another one."""
-    swapping = PREEMPTION_STRATEGIES[config.preemption].uses_host_tier
-    kv = KVManager(block_size, kv_cache_blocks, host_kv_blocks if swapping else 0,
-                   contiguous=swapping and block_groups, prefix_caching=enable_prefix_caching)
-    ctx = PolicyContext(config, policy_cost or cost)
-    policy = make_policy(config.policy, ctx)
     clock = VirtualClock()
     block_bytes = offload_block_bytes(block_size, cost.kv_bytes_per_token, offload_dtype)
-    scheduler = Scheduler(config, policy, kv, ctx, swap_block_bytes=block_bytes)
+    scheduler = build_scheduler(config, policy_cost or cost, block_size=block_size, device_blocks=kv_cache_blocks,
+                                host_blocks=host_kv_blocks, block_groups=block_groups,
+                                prefix_caching=enable_prefix_caching, swap_block_bytes=block_bytes)
     pipelined = cost.pipeline_parallel > 1
     executor = (PipelinedSimulatedExecutor(cost, clock, block_bytes, max_in_flight) if pipelined
                 else SimulatedExecutor(cost, clock, block_bytes))
