@@ -14,7 +14,13 @@ PREEMPTION_MODES = ("defer", "recompute", "reactive-swap", "proactive-swap")
 # always overlapping it, or chosen per copy from measured swap statistics.
 SWAP_IN_MODES = ("mode", "sync", "async", "adaptive")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # model weights and device KV
-OFFLOAD_DTYPES = ("auto", "int8")  # host KV: as on device, or per-channel int8 (ALISE §3.2)
+OFFLOAD_DTYPES = ("auto", "int8")
+# Weight-only quantized linears (model/quant.py): auto keeps a GGUF file's precision where a kernel
+# exists (Q4_x as int4, Q8_0 as int8) and leaves other checkpoints as they are.
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# Paged attention: auto is triton on CUDA (kernels reading K/V in place through the block tables,
+# model/triton_attention.py) and sdpa elsewhere; flashinfer where that package is installed.
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flashinfer")  # host KV: as on device, or per-channel int8 (ALISE §3.2)
 EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
 # Where the model runs: auto (uni for one rank, mp for several), uni (in the engine's process),
 # mp (one worker process per rank, tensor- and pipeline-parallel, exec/multiproc.py), ray (one
@@ -77,9 +83,13 @@ class ModelConfig:
     # on CPU, compile none on CUDA.
     compile: bool | None = None
     cuda_graphs: bool = True
+    quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
+    attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})
 
     def validate(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
 
 
 @dataclass

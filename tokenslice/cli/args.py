@@ -109,6 +109,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "default: on for serve, off otherwise")
     flag(ModelConfig, "cuda_graphs", action=argparse.BooleanOptionalAction,
          help="CUDA: replay decode steps from CUDA graphs captured at start-up (on by default)")
+    flag(ModelConfig, "quantization",
+         help="weight-only quantized linears: auto keeps a GGUF file's precision (Q4 as int4, Q8_0 as int8), "
+              "none dequantizes, int8 / int4 quantize every linear")
+    flag(ModelConfig, "attention_backend",
+         help="paged attention: auto (triton on CUDA, sdpa on CPU), triton, sdpa, or flashinfer if installed")
     flag(CacheConfig, "block_size")
     flag(CacheConfig, "kv_cache_blocks", help="device KV blocks (overrides --kv-memory-fraction)")
     flag(CacheConfig, "kv_memory_fraction", help="share of free device memory (on CPU: of available RAM) for KV")
