@@ -19,8 +19,8 @@ OFFLOAD_DTYPES = ("auto", "int8")
 # exists (Q4_x as int4, Q8_0 as int8) and leaves other checkpoints as they are.
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 # Paged attention: auto is triton on CUDA (kernels reading K/V in place through the block tables,
-# model/triton_attention.py) and sdpa elsewhere; flashinfer where that package is installed.
-ATTENTION_BACKENDS = ("auto", "triton", "sdpa", "flashinfer")  # host KV: as on device, or per-channel int8 (ALISE §3.2)
+# model/triton_attention.py) and sdpa (gathered context, PyTorch SDPA) elsewhere.
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")  # host KV: as on device, or per-channel int8 (ALISE §3.2)
 EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder weights
 # Where the model runs: auto (uni for one rank, mp for several), uni (in the engine's process),
 # mp (one worker process per rank, tensor- and pipeline-parallel, exec/multiproc.py), ray (one

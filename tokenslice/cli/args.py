@@ -113,7 +113,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="weight-only quantized linears: auto keeps a GGUF file's precision (Q4 as int4, Q8_0 as int8), "
               "none dequantizes, int8 / int4 quantize every linear")
     flag(ModelConfig, "attention_backend",
-         help="paged attention: auto (triton on CUDA, sdpa on CPU), triton, sdpa, or flashinfer if installed")
+         help="paged attention: auto (triton on CUDA, sdpa on CPU), triton (kernels reading the KV "
+              "blocks in place) or sdpa (context gathered, PyTorch's SDPA)")
     flag(CacheConfig, "block_size")
     flag(CacheConfig, "kv_cache_blocks", help="device KV blocks (overrides --kv-memory-fraction)")
     flag(CacheConfig, "kv_memory_fraction", help="share of free device memory (on CPU: of available RAM) for KV")

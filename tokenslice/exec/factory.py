@@ -3,12 +3,15 @@ process per rank, or one Ray actor per rank), the tokenizer, and the KV pool siz
 (docs/DESIGN.md, Executor)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from tokenslice.config import EngineConfig
 from tokenslice.exec.base import Executor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,9 +53,30 @@ def start_model(config: EngineConfig, host_tier: bool) -> ModelSide:
                          num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype,
                          persistent_batch=config.model.persistent_batch, compile=bool(config.model.compile),
                          cuda_graphs=config.model.cuda_graphs, max_batch_size=config.scheduler.max_batch_size,
-                         max_model_len=max_len)
+                         max_model_len=max_len, attention_backend=config.model.attention_backend)
     return ModelSide(LocalExecutor(runner), loaded.arch, loaded.tokenizer, loaded.name, max_len, blocks,
                      host_blocks, runner.host_block_bytes, runner)
+
+
+def _ranks_device(config: EngineConfig) -> str:
+    """The ranks' device. auto is CUDA only when this machine has a GPU for every rank (each rank
+    takes its own), else CPU (gloo); an explicit cuda with too few GPUs is an error here rather than
+    a worker's crash. A Ray cluster's GPUs are not this machine's: left to the actors."""
+    import torch
+
+    par, device = config.parallel, config.model.device
+    ranks = par.tensor_parallel_size * par.pipeline_parallel_size
+    if par.executor == "ray" and par.ray_address is not None:
+        return device
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        if 0 < gpus < ranks:
+            log.warning("%d ranks but %d GPU(s): the ranks run on CPU; pass --device cuda on a machine "
+                        "with a GPU per rank", ranks, gpus)
+        return "cuda" if gpus >= ranks else "cpu"
+    if device.startswith("cuda") and gpus < ranks:
+        raise ValueError(f"{ranks} ranks (tensor x pipeline parallel) need {ranks} GPUs, this machine has {gpus}")
+    return device
 
 
 def _start_workers(config: EngineConfig, host_tier: bool) -> ModelSide:
@@ -62,6 +86,7 @@ def _start_workers(config: EngineConfig, host_tier: bool) -> ModelSide:
     from tokenslice.model.tp import TPShard
 
     par = config.parallel
+    config = replace(config, model=replace(config.model, device=_ranks_device(config)))
     arch = load_arch(config.model)
     TPShard(arch, 0, par.tensor_parallel_size)  # refuses a size the heads do not fit
     PPStage.of(arch, 0, par.pipeline_parallel_size, par.stage_layers)  # ... or more stages than layers

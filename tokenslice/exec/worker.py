@@ -143,7 +143,8 @@ class RankWorker:
                                   # graphs are untested here.
                                   compile=bool(spec.model.compile) and spec.size == 1,
                                   cuda_graphs=spec.model.cuda_graphs and spec.size == 1,
-                                  max_batch_size=spec.max_batch_size, max_model_len=spec.max_model_len)
+                                  max_batch_size=spec.max_batch_size, max_model_len=spec.max_model_len,
+                                  attention_backend=spec.model.attention_backend)
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.runner is None:

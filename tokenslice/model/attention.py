@@ -5,6 +5,12 @@ head_dim]. Each layer's K (and V) is contiguous, so token slots are rows of a fl
 [num_blocks * block_size, kv_heads * head_dim] view and a context gather is one
 index_select (per-token advanced indexing on a block-major layout was half the step time).
 A run of adjacent blocks is still one strided copy across all layers when it moves tiers.
+
+Two backends. "sdpa" gathers each row's context out of the pool into a dense tensor and runs
+PyTorch's SDPA on it (the CPU path: its gathers and SDPA are the fastest kernels there).
+"triton" reads K/V in place through the block tables (model/triton_attention.py, as vLLM's
+and SGLang's paged kernels do): no per-step copy of the live KV, and on CUDA one graph per batch
+size serves every context length.
 """
 from __future__ import annotations
 
@@ -38,6 +44,35 @@ class AttentionMetadata:
     # A decode-only step run by torch.compile: the pool is only read (dec_slots is [D, Lmax]) and
     # each layer's new [2, D, KVH, hd] K/V is appended here, for the caller to write after the step.
     new_kv: list[torch.Tensor] | None = None
+    # The "triton" backend's inputs (the gathers above stay None): block tables and key counts.
+    triton: bool = False
+    dec_tables: torch.Tensor | None = None  # [D, W] int32
+    dec_lens: torch.Tensor | None = None  # [D] int32, keys of each decode row (its position + 1)
+    pf_tables: torch.Tensor | None = None  # [P, W] int32
+    pf_query_start: torch.Tensor | None = None  # [P + 1] int32, offsets of each slice's tokens
+    pf_lens: torch.Tensor | None = None  # [P] int32, keys of each slice (cached prefix + its tokens)
+
+
+def resolve_attention_backend(name: str, device: torch.device, head_dim: int) -> str:
+    """auto: triton on CUDA where Triton imports and the kernels take the head size (a power of two
+    >= 16), else sdpa. triton elsewhere only under Triton's interpreter (TRITON_INTERPRET=1),
+    which checks the kernels on CPU but is far too slow to serve."""
+    from tokenslice.model.triton_attention import triton_available
+
+    fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    if name == "auto":
+        return "triton" if device.type == "cuda" and triton_available() and fits else "sdpa"
+    if name == "triton":
+        if not triton_available():
+            raise ValueError("attention backend 'triton' needs the triton package and a CUDA device "
+                             "(or TRITON_INTERPRET=1 to check the kernels on CPU); use --attention-backend sdpa")
+        if not fits:
+            raise ValueError(f"attention backend 'triton' needs a head size that is a power of two >= 16, "
+                             f"this model's is {head_dim}; use --attention-backend sdpa")
+        return name
+    if name != "sdpa":
+        raise ValueError(f"attention backend must be auto, triton or sdpa, got {name!r}")
+    return name
 
 
 def _table_tensor(slices: list[SeqSlice], width: int) -> torch.Tensor:
@@ -46,15 +81,17 @@ def _table_tensor(slices: list[SeqSlice], width: int) -> torch.Tensor:
 
 
 def build_metadata(decode: list[SeqSlice], prefill: list[SeqSlice], block_size: int,
-                   device: torch.device) -> AttentionMetadata:
+                   device: torch.device, backend: str = "sdpa") -> AttentionMetadata:
     """Metadata built from the plan alone (one-off passes; the runner keeps a DecodeBatch)."""
-    return step_metadata(decode_inputs(decode), prefill, block_size, device)
+    return step_metadata(decode_inputs(decode), prefill, block_size, device, backend=backend)
 
 
 def step_metadata(dec: DecodeInputs, prefill: list[SeqSlice], block_size: int,
-                  device: torch.device, ctx_len: int = 0) -> AttentionMetadata:
+                  device: torch.device, ctx_len: int = 0, backend: str = "sdpa") -> AttentionMetadata:
     """Metadata of a step: the decode rows (`dec`, plan order) first, then the prefill slices.
     `ctx_len`: gather at least this many keys per decode row (shape buckets; the mask hides them)."""
+    if backend == "triton":
+        return _to_device(_paged_metadata(dec, prefill, block_size), device)
     num_decode = len(dec.positions)
     dec_pos = torch.from_numpy(dec.positions)
     positions, slots = dec_pos, dec_pos  # replaced below; the decode part always comes first
@@ -94,10 +131,42 @@ def step_metadata(dec: DecodeInputs, prefill: list[SeqSlice], block_size: int,
         mask = torch.where(meta.pf_q_valid[:, :, None], mask, kpos[None, None, :] == 0)
         meta.pf_mask = mask.unsqueeze(1)
     meta.positions, meta.slots = positions, slots
+    return _to_device(meta, device)
+
+
+def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     if device.type != "cpu":
         for name, value in vars(meta).items():
             if isinstance(value, torch.Tensor):
                 setattr(meta, name, value.to(device, non_blocking=True))
+    return meta
+
+
+def _paged_metadata(dec: DecodeInputs, prefill: list[SeqSlice], block_size: int) -> AttentionMetadata:
+    """The triton backend's metadata: positions and slots of the new tokens, and each row's block
+    table and key count; the kernels read the context in place."""
+    num_decode = len(dec.positions)
+    pos, tables = dec.positions, dec.tables
+    positions = [pos]
+    slots = [tables[np.arange(num_decode), pos // block_size] * block_size + pos % block_size]
+    meta = AttentionMetadata(positions=torch.empty(0), slots=torch.empty(0), num_decode=num_decode, triton=True)
+    if num_decode:
+        meta.dec_tables = torch.from_numpy(tables.astype(np.int32))
+        meta.dec_lens = torch.from_numpy((pos + 1).astype(np.int32))
+    if prefill:
+        width = max(len(s.block_table) for s in prefill)
+        pf_tables = np.zeros((len(prefill), width), dtype=np.int64)
+        for i, s in enumerate(prefill):
+            pf_tables[i, :len(s.block_table)] = s.block_table
+            p = np.arange(s.start_pos, s.start_pos + s.num_tokens)
+            positions.append(p)
+            slots.append(pf_tables[i, p // block_size] * block_size + p % block_size)
+        qlens = np.array([s.num_tokens for s in prefill], dtype=np.int32)
+        meta.pf_tables = torch.from_numpy(pf_tables.astype(np.int32))
+        meta.pf_query_start = torch.from_numpy(np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32))
+        meta.pf_lens = torch.from_numpy(np.array([s.start_pos + s.num_tokens for s in prefill], dtype=np.int32))
+    meta.positions = torch.from_numpy(np.concatenate(positions).astype(np.int64))
+    meta.slots = torch.from_numpy(np.concatenate(slots).astype(np.int64))
     return meta
 
 
@@ -164,6 +233,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
 
     Writes the new K/V into their slots, then attends each token over its request's context.
     """
+    if meta.triton:
+        return _triton_paged_attention(q, k, v, kv_layer, meta, scale)
     if meta.new_kv is not None:
         return traced_decode_attention(q, k, v, kv_layer, meta, scale)
     if meta.opaque_decode:
@@ -185,4 +256,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
         vp = v_cache.index_select(0, meta.pf_slots).view(p, meta.pf_len, kvh, hd).transpose(1, 2)
         o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.pf_mask, scale=scale, enable_gqa=gqa)
         outs.append(o.transpose(1, 2)[meta.pf_q_valid])
+    return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
+
+
+def _triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write the new K/V, then attend in place through the block tables (no gather)."""
+    from tokenslice.model.triton_attention import paged_decode_attention, paged_prefill_attention
+
+    nb, bs, kvh, hd = kv_layer.shape[1:]
+    k_cache, v_cache = kv_layer[0], kv_layer[1]
+    k_cache.view(nb * bs, kvh, hd).index_copy_(0, meta.slots, k)
+    v_cache.view(nb * bs, kvh, hd).index_copy_(0, meta.slots, v)
+    d = meta.num_decode
+    outs: list[torch.Tensor] = []
+    if d:
+        outs.append(paged_decode_attention(q[:d], k_cache, v_cache, meta.dec_tables, meta.dec_lens, scale))
+    if meta.pf_tables is not None:
+        outs.append(paged_prefill_attention(q[d:], k_cache, v_cache, meta.pf_tables, meta.pf_query_start,
+                                            meta.pf_lens, scale))
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

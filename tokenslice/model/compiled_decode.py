@@ -8,11 +8,13 @@ op-by-op eager PyTorch, whose per-operator dispatch dominates small models' step
   whole blocks. (Static shapes per bucket
   compiled again at every new context bucket: seconds mid-stream, and 4x slower steps behind
   serve on average. A batch dimension of size 1 would be specialized, hence its own graph.)
-- CUDA: one CUDA graph per bucket, captured at start-up and replayed with the step's inputs
-  copied into static buffers (vLLM's decode graphs): the batch padded to a power of two by
-  repeating row 0 (whose K/V write then lands twice in the same slot with the same value), the
-  context to a power of two blocks (the mask hides the padding). A step larger than every
-  bucket runs eager.
+- CUDA: CUDA graphs captured at start-up and replayed with the step's inputs copied into static
+  buffers (vLLM's decode graphs), the batch padded to a power of two by repeating row 0 (whose
+  K/V write then lands twice in the same slot with the same value). With the triton attention
+  backend the kernels read each row's context in place up to its length, so one graph per
+  batch bucket serves every context (block tables padded to the longest context). With sdpa
+  the context is gathered, so there is a graph per batch and context bucket (a power of two
+  blocks; the mask hides the padding). A step larger than every bucket runs eager.
 
 Neither the compiler nor a graph may copy the KV pool. On CPU the graph only reads it: attention
 (attention.traced_decode_attention) gathers each row's context through its slots, with the row's
@@ -62,16 +64,29 @@ def _decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.T
     return model.compute_logits(model(input_ids, meta, kv))
 
 
+def _paged_decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                         slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    meta = AttentionMetadata(positions=positions, slots=slots, num_decode=input_ids.shape[0], triton=True,
+                             dec_tables=tables, dec_lens=lens)
+    return model.compute_logits(model(input_ids, meta, kv))
+
+
 class CompiledDecode:
     def __init__(self, model: nn.Module, kv: torch.Tensor, block_size: int, device: torch.device,
-                 max_batch_size: int, max_model_len: int) -> None:
+                 max_batch_size: int, max_model_len: int, backend: str = "sdpa") -> None:
         self.model, self.kv, self.block_size, self.device = model, kv, block_size, device
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.backend = backend
+        self.graphs: dict[tuple[int, int], _Graph | _PagedGraph] = {}
         self.multi_row = True  # a graph for steps of several rows as well
         self.batch_buckets = buckets(max_batch_size)
-        self.ctx_buckets = buckets(max_model_len, block_size)
+        # triton: one context "bucket", the longest (the kernels stop at each row's length).
+        self.max_blocks = -(-max_model_len // block_size)
+        self.ctx_buckets = ([self.max_blocks * block_size] if backend == "triton"
+                            else buckets(max_model_len, block_size))
         if device.type == "cuda":
+            t0 = time.perf_counter()
             self._capture_all()
+            log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
         else:
             # Multi-row steps stay eager where oneDNN's packed linears serve them (layers.py): with
             # those GEMMs and eager SDPA the 24M Llama served 16 streams 10-20% faster than
@@ -107,7 +122,18 @@ class CompiledDecode:
         c = next((c for c in self.ctx_buckets if c > int(dec.positions.max())), None)
         if b is None or c is None:
             return None
-        return self.graphs[(b, c)].replay(_pad(dec, b, c // bs), bs)[:d]
+        width = dec.tables.shape[1] if self.backend == "triton" else c // bs  # triton: no context padding
+        return self.graphs[(b, c)].replay(_pad(dec, b, width), bs)[:d]
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = None
+        for c in reversed(self.ctx_buckets):  # largest first: later graphs reuse its memory
+            for b in reversed(self.batch_buckets):
+                g = (_PagedGraph(self, b, c // self.block_size, pool) if self.backend == "triton"
+                     else _Graph(self, b, c, pool))
+                pool = g.graph.pool()
+                self.graphs[(b, c)] = g
 
     def _inputs(self, dec: DecodeInputs) -> tuple[torch.Tensor, ...]:
         bs, d = self.block_size, len(dec.positions)
@@ -142,6 +168,50 @@ def _pad(dec: DecodeInputs, rows: int, width: int) -> DecodeInputs:
     return DecodeInputs(dec.token_ids[idx], dec.positions[idx], tables)
 
 
+def _capture(graph: torch.cuda.CUDAGraph, fn: Callable[[], torch.Tensor], device: torch.device,
+             pool: object | None) -> torch.Tensor:
+    """Warm `fn` up on a side stream (allocator, kernel selection, Triton compilation), then
+    capture it into `graph`; returns its static output."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    with torch.cuda.graph(graph, pool=pool):
+        return fn()
+
+
+class _PagedGraph:
+    """One captured decode step of `rows` rows with the triton backend: block tables of `width`
+    columns and each row's key count are inputs, so it serves every context up to `width` blocks."""
+
+    def __init__(self, owner: CompiledDecode, rows: int, width: int, pool: object | None) -> None:
+        dev = owner.device
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.tables = torch.zeros(rows, width, dtype=torch.int32, device=dev)
+        self.lens = torch.ones(rows, dtype=torch.int32, device=dev)
+        # Capture writes K/V to slot 0 (block 0) for the dummy rows; harmless before any request
+        # runs, which is when graphs are captured.
+        self.graph = torch.cuda.CUDAGraph()
+        self.out = _capture(self.graph, lambda: _paged_decode_logits(
+            owner.model, self.input_ids, self.positions, self.slots, self.tables, self.lens, owner.kv), dev, pool)
+
+    def replay(self, dec: DecodeInputs, block_size: int) -> torch.Tensor:
+        pos, tables = dec.positions, dec.tables
+        slots = tables[np.arange(len(pos)), pos // block_size] * block_size + pos % block_size
+        # Only the columns in use move; those past them keep stale (valid) block ids that the
+        # kernels never read, being past every row's length.
+        for dst, src in ((self.input_ids, dec.token_ids), (self.positions, pos), (self.slots, slots),
+                         (self.tables[:, :tables.shape[1]], tables.astype(np.int32)),
+                         (self.lens, (pos + 1).astype(np.int32))):
+            dst.copy_(torch.from_numpy(src), non_blocking=True)
+        self.graph.replay()
+        return self.out
+
+
 class _Graph:
     """One captured decode step of `rows` rows over `ctx` keys, with its static inputs."""
 
@@ -155,15 +225,8 @@ class _Graph:
         # Capture writes K/V to slot 0 (block 0) for the dummy rows; harmless before any request
         # runs, which is when graphs are captured.
         args = (self.input_ids, self.positions, self.slots, self.dec_slots, self.dec_mask, owner.kv)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside the graph (allocator, kernel selection)
-                owner._eager(*args)
-        torch.cuda.current_stream(dev).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = owner._eager(*args)
+        self.out = _capture(self.graph, lambda: owner._eager(*args), dev, pool)
 
     def replay(self, dec: DecodeInputs, block_size: int) -> torch.Tensor:
         meta = step_metadata(dec, [], block_size, torch.device("cpu"), self.dec_mask.shape[-1])

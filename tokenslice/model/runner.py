@@ -24,7 +24,7 @@ import torch
 
 from tokenslice.config import OFFLOAD_DTYPES, CacheConfig
 from tokenslice.model.arch import ArchConfig
-from tokenslice.model.attention import build_metadata, step_metadata
+from tokenslice.model.attention import build_metadata, resolve_attention_backend, step_metadata
 from tokenslice.model.compiled_decode import CompiledDecode
 from tokenslice.model.input_batch import DecodeBatch, decode_inputs
 from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quantize_blocks, quantized_block_bytes
@@ -82,7 +82,8 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
                  num_host_blocks: int = 0, offload_dtype: str = "auto", transfer_threads: int = 2,
                  pipe: StagePipe | None = None, persistent_batch: bool = True, compile: bool = False,
-                 cuda_graphs: bool = False, max_batch_size: int = 64, max_model_len: int = 2048) -> None:
+                 cuda_graphs: bool = False, max_batch_size: int = 64, max_model_len: int = 2048,
+                 attention_backend: str = "auto") -> None:
         if offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"offload_dtype must be one of {', '.join(OFFLOAD_DTYPES)}, got {offload_dtype!r}")
         if num_host_blocks < 0:
@@ -93,6 +94,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.attention_backend = resolve_attention_backend(attention_backend, self.device, a.head_dim)
         # Zeroed: padded attention slots read unwritten blocks and must not hold NaNs.
         self.kv = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
                               dtype=self.dtype, device=self.device)
@@ -125,10 +127,12 @@ class ModelRunner:
         self.batch: DecodeBatch | None = DecodeBatch() if persistent_batch else None
         # Decode-only steps as compiled code: CUDA graphs on CUDA, inductor on CPU with `compile`.
         self.compiled: CompiledDecode | None = None
-        # A stage's forward is not the whole model's: stages run eager.
-        if pipe is None and (cuda_graphs if self.device.type == "cuda" else compile):
+        # A stage's forward is not the whole model's: stages run eager. On CPU the triton backend
+        # is Triton's interpreter (a correctness check), which nothing compiles.
+        on_cuda = self.device.type == "cuda"
+        if pipe is None and (cuda_graphs if on_cuda else compile and self.attention_backend == "sdpa"):
             self.compiled = CompiledDecode(self.model, self.kv, block_size, self.device, max_batch_size,
-                                           max_model_len)
+                                           max_model_len, self.attention_backend)
         self.prep_seconds = 0.0  # summed time turning plans into tensors (overhead accounting)
         # The data plane's own record of what it copied (sync and async), for its tests and the
         # bandwidth benchmark: tensor copy calls issued (per run, per host tensor, per layer row on
@@ -190,7 +194,7 @@ class ModelRunner:
             if plan.prefill:
                 ids = torch.cat([ids, torch.tensor([t for s in plan.prefill for t in s.token_ids], dtype=torch.long)])
             input_ids = ids.to(self.device, non_blocking=True)
-            meta = step_metadata(dec, plan.prefill, self.block_size, self.device)
+            meta = step_metadata(dec, plan.prefill, self.block_size, self.device, backend=self.attention_backend)
             self.prep_seconds += time.perf_counter() - t0
             pipe = self.pipe
             before = pipe.recv(plan.num_tokens) if pipe is not None and not pipe.stage.is_first else None
@@ -362,6 +366,6 @@ class ModelRunner:
         """Logits at every position of a prefill-only plan (for checks against a reference)."""
         slices = plan.decode + plan.prefill
         ids = [t for s in slices for t in s.token_ids]
-        meta = build_metadata(plan.decode, plan.prefill, self.block_size, self.device)
+        meta = build_metadata(plan.decode, plan.prefill, self.block_size, self.device, self.attention_backend)
         hidden = self.model(torch.tensor(ids, device=self.device), meta, self.kv)
         return self.model.compute_logits(hidden).float()
