@@ -38,5 +38,15 @@ demo: $(STAMP)
 		--workload synthetic-lognormal --input-len 32 --output-len 64 --max-len 512 --num-requests 100 \
 		--rates 10,20,30,40,60 --slo-normalized-latency auto --out results/demo.json --plot results/demo.png
 
+# The prepared GPU check (benchmarks/gpu/README.md). gpu-carry, here: wheels the device image
+# lacks and stories260k into .gpu-carry/. gpu-check, on the device machine (plain python3, no
+# virtualenv): results in $OUT (else results/gpu); GPU_CHECK_ARGS="--only parity" reruns a part.
+.PHONY: gpu-carry gpu-check
+gpu-carry: $(STAMP)
+	$(BIN)/python benchmarks/gpu/carry.py --out .gpu-carry
+
+gpu-check:
+	bash benchmarks/gpu/gpu_check.sh $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,73 @@
+"""`make gpu-carry`: fill .gpu-carry/ with what the GPU check needs and the device image lacks.
+
+- wheels/: the serving stack's packages (FastAPI and its parts, uvicorn, pyzmq, msgspec, gguf) for
+  CPython 3.12 on x86-64 Linux, at the versions pinned in pyproject.toml, or, for the transitive
+  ones, the versions installed in this virtualenv;
+- models/stories260k: the tiny real model, from ../shared (which does not travel).
+
+Run with the project's virtualenv python, which knows the installed versions.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "annotated-doc",
+            "typing-inspection", "msgspec", "pyzmq", "uvicorn", "gguf")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64", "any")
+LIMIT_MB = 15
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pins() -> dict[str, str]:
+    """Each package's version: its pin in pyproject.toml, else the one installed here."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = {}
+    for dep in project["dependencies"] + [d for ds in project.get("optional-dependencies", {}).values() for d in ds]:
+        m = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;]+).*", dep)
+        if m:
+            pinned[_norm(m.group(1))] = m.group(2)
+    return {name: pinned.get(name) or importlib.metadata.version(name) for name in PACKAGES}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / ".gpu-carry"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    wheels = out / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    want = pins()
+    for old in wheels.glob("*.whl"):  # one version of each: two would stop the install there
+        name, version = old.name.split("-")[:2]
+        if want.get(_norm(name)) != version:
+            old.unlink()
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp", "-d", str(wheels)]
+    cmd += [a for p in PLATFORMS for a in ("--platform", p)]
+    subprocess.run(cmd + [f"{n}=={v}" for n, v in want.items()], check=True)
+    stories, dest = ROOT.parent / "shared" / "models" / "stories260k", out / "models" / "stories260k"
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in stories.iterdir():  # contents only: ../shared's files are read-only, the copies need not be
+        shutil.copyfile(f, dest / f.name)
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file()) / 1e6
+    print(f"{out}: {len(list(wheels.glob('*.whl')))} wheels ({', '.join(f'{n} {v}' for n, v in want.items())}) "
+          f"and stories260k, {size:.1f} MB")
+    if size > LIMIT_MB:
+        print(f"warning: over {LIMIT_MB} MB; the device machine takes 64 MiB with the working tree", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
