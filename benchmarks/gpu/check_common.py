@@ -14,7 +14,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-WORK = Path("/tmp/tokenslice-gpu-check")  # checkpoints built on the machine, shared by sections
+
+
+def _work_dir() -> Path:
+    """Where checkpoints built on the machine go (shared by sections): memory-backed /dev/shm when it
+    holds the 8B-shape one with room to spare (saving 16 GB to disk can take a minute), else /tmp."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 48e9:
+        return shm / "tokenslice-gpu-check"
+    return Path("/tmp/tokenslice-gpu-check")
+
+
+WORK = _work_dir()
 STORIES_PLACES = (ROOT / ".gpu-carry" / "models" / "stories260k", ROOT.parent / "shared" / "models" / "stories260k")
 
 # Random-weight model shapes (Llama-3.2-1B's and Llama-3-8B's, and small ones); head_dim = hidden / heads.
