@@ -3,6 +3,7 @@ recorder a section writes its rows through, timers, bandwidth probes and random 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import time
@@ -227,27 +228,32 @@ def head_dim(path: Path) -> int:
 def random_llama(name: str, shape: dict[str, Any], dtype: str, device: str, keep: bool = False
                  ) -> tuple[Path, Any]:
     """A random-weight Llama checkpoint of `shape` in WORK/name (config.json, safetensors,
-    stories260k's tokenizer), initialised on `device` (fast on a GPU) and saved; built once.
-    Returns (path, the transformers model if `keep` and it was built now, else None)."""
+    stories260k's tokenizer), initialised on `device` (fast on a GPU) and saved; built once, into a
+    folder of its own renamed into place, so a reader never sees half of one. Returns (path, the
+    transformers model if `keep`, built anew then, else None)."""
     path = WORK / name
-    if (path / "complete").is_file() and not keep:
+    if path.is_dir() and not keep:
         return path, None
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    shutil.rmtree(path, ignore_errors=True)
     cfg = LlamaConfig(max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, **shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype)).eval()
-    model.save_pretrained(path)
+    building = WORK / f".{name}.{os.getpid()}"
+    model.save_pretrained(building)
     for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(stories_path() / f, path / f)
-    (path / "complete").touch()
+        shutil.copy(stories_path() / f, building / f)
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        building.rename(path)
+    except OSError:  # another run put one there meanwhile: the same seed and shape
+        shutil.rmtree(building, ignore_errors=True)
     return path, model if keep else None
 
 
-def model_path(name: str, device: str) -> Path:
+def model_path(name: str) -> Path:
     """A parity/swap model by name: stories260k, or a small random one built here."""
     if name == "stories260k":
         return stories_path()

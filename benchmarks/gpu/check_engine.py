@@ -46,7 +46,7 @@ def parity(rec: Recorder) -> None:
     for name, dtype, backend in p.parity_cases:
         check = f"{name} {dtype} {backend}"
         with rec.case(check):
-            path = model_path(name, p.device)
+            path = model_path(name)
             hd = head_dim(path)
             if backend == "triton" and (hd < 16 or hd & (hd - 1)):
                 rec.row(check, f"skipped: the triton kernels need head_dim a power of two >= 16 ({name} has {hd})",
@@ -123,7 +123,7 @@ def preemption_swap(rec: Recorder) -> None:
     p = rec.profile
     tokens = p.swap_tokens
     for name, backend in p.swap_cases:
-        path = str(model_path(name, p.device))
+        path = str(model_path(name))
         common = dict(device=p.device, dtype="float32", attention_backend=backend, max_model_len=128)
         with rec.case(f"{name} {backend} reference"):
             rec.need(8, f"{name} {backend} reference")
