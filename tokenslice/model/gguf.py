@@ -105,7 +105,7 @@ def gguf_config(reader: GGUFReader, path: Path) -> dict[str, Any]:
     heads, hidden = key("attention.head_count"), key("embedding_length")
     if heads is None or hidden is None:
         raise ModelLoadError(f"{path}: metadata lacks {arch}.attention.head_count or {arch}.embedding_length")
-    head_dim = hidden // heads
+    head_dim = key("attention.key_length", hidden // heads)  # set where it is not hidden / heads (Mistral Nemo)
     rope_dim = key("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ModelLoadError(f"{path}: rotary embedding on {rope_dim} of {head_dim} head dims is not supported")
