@@ -132,7 +132,12 @@ def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer
         model = build_model(local)
         if stage is not None:
             model.keep_stage(stage.is_first, stage.is_last)
-    model = model.to_empty(device="cpu")
+    if device.type == "cuda":
+        # Straight into device memory in the serving dtype: an 8B model built in float32 on the
+        # host first would take 32 GB of RAM and a slow conversion.
+        model = model.to(dtype=dtype).to_empty(device=device)
+    else:  # float32 on the host: quantization (below) starts from the file's exact values
+        model = model.to_empty(device="cpu")
     model.tie_weights()  # to_empty gives each parameter fresh storage, which unties them
     precisions: dict[str, str | None] = {}  # a GGUF file's, per local parameter
     if cfg.model == BUILTIN_TINY:
