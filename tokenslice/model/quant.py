@@ -1,5 +1,6 @@
 """Weight-only quantized linears for CPU decode, which is weight-bandwidth bound: a step reads every
-weight once, so 4-bit weights move ~1/7 of the bytes of fp32 (SmolLM2-135M: ~75 MB against 540 MB).
+weight once (SmolLM2-135M as its GGUF loads, int4 layers and an int8 head: 95 MB against 538 MB in
+f32; one thread, one row, its linears took 23 ms against 45 ms, benchmarks/decode/quant_matmul.py).
 
 Formats (w is the weight the layer multiplies by, [out N, in K]):
 - int4: group-wise asymmetric, groups of GROUP_SIZE inputs; w = (q - 8) * scale + zero, q in 0..15,
@@ -8,19 +9,20 @@ Formats (w is the weight the layer multiplies by, [out N, in K]):
   group's min and max, so a dequantized Q4_1 block (its min and max are on its grid) gives back
   the same q, d and m, and in float32 the kernel's weights match GGUF's dequantization bit for bit.
 - int8: symmetric per output row, w = q * scale, q in -127..127, run by torch._weight_int8pack_mm.
-  A GGUF Q8_0 weight (a scale per block of 32) is requantized to one scale per row.
+  A GGUF Q8_0 weight (a scale per block of 32) is requantized to one scale per row, which adds a
+  relative RMS error of 1.2% on SmolLM2's embedding (0.7% on Gaussian weights).
 
 Both kernels run with bfloat16 activations, scales and outputs, converted from and to the model's
-dtype around the call: with float32 ones they take a reference path 10-30x slower than the f32
-GEMM (on this AVX-512 CPU, one thread, 1 row, 1536x576: int4 2164 us, int8 811 us, f32 GEMM
-172 us; bf16: int4 77 us, int8 74 us; benchmarks/decode/quant_matmul.py). The bf16 roundings of
-the input, the scales and the output add a relative error of ~2^-8 on top of the quantization's.
+dtype around the call: with float32 ones they take an unvectorized path, slower than the f32 GEMM
+(AVX-512 CPU, one thread, 1 row, 1536x576: int4 3036 us, int8 1188 us, f32 GEMM 211 us; with bf16:
+int4 106 us, int8 88 us). The bf16 roundings of the input, the scales and the output add a
+relative error of ~2^-8 on top of the quantization's.
 
-The kernels' time grows with every row (3072x576, 1 -> 16 rows: int4 131 -> 1392 us), a GEMM's
-barely (bf16: 452 -> 365 us): from DENSE_MIN_ROWS rows on (prefill, batched decode) a layer
-multiplies by a bfloat16 copy of its weight instead, 2 more bytes per weight (SmolLM2-135M: 84 MB
-of int4 + 269 MB of bf16, against 538 MB in f32); `dense=False` keeps none. Compiled code (decode)
-always runs the kernel.
+The kernels' time grows with every row (3072x576, 1 -> 16 rows: int4 246 -> 1180 us), a GEMM's
+barely (bf16: 640 -> 675 us): from DENSE_MIN_ROWS rows on (prefill, batched decode) a layer
+multiplies by a bfloat16 copy of its quantized weight instead, 2 more bytes per weight
+(SmolLM2-135M: 95 MB quantized + 269 MB bf16, against 538 MB in f32); `dense=False` keeps none.
+Compiled code (decode) always runs the kernel.
 
 Call quantize_linears once the weights are final: after loading, the dtype cast and fuse(), before
 or after layers.use_input_major_linears (it takes either kind of linear).
@@ -42,7 +44,7 @@ INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be div
 # _weight_int8pack_mm (bf16, AVX-512) gives wrong sums, or crashes, for 2+ rows when K % 16 != 0.
 INT8_K_MULTIPLE = 16
 COMPUTE_DTYPE = torch.bfloat16  # see the module docstring for why not float32
-# From 8 rows the bf16 GEMM beats both kernels on every SmolLM2 shape; at 4 the kernels win.
+# SmolLM2's step linears, one thread: at 8 rows the bf16 copy 49 ms, int4 60; at 4 rows 54 and 31.
 DENSE_MIN_ROWS = 8
 # Linears that fuse() builds from checkpoint ones (llama.py), for a plan keyed by checkpoint names.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
