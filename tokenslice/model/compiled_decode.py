@@ -35,6 +35,7 @@ from torch import nn
 from tokenslice.model.attention import AttentionMetadata, step_metadata
 from tokenslice.model.input_batch import DecodeInputs
 from tokenslice.model.layers import InputMajorLinear
+from tokenslice.model.quant import QuantizedLinear
 
 log = logging.getLogger("tokenslice.model.compiled_decode")
 
@@ -91,7 +92,11 @@ class CompiledDecode:
             # Multi-row steps stay eager where oneDNN's packed linears serve them (layers.py): with
             # those GEMMs and eager SDPA the 24M Llama served 16 streams 10-20% faster than
             # compiled (docs/benchmarks/decode-speed-and-llamacpp.md, "Compiled decode"); one row is faster compiled everywhere.
-            self.multi_row = not any(isinstance(m, InputMajorLinear) and m.packed is not None for m in model.modules())
+            # Likewise quantized linears with a bf16 copy for many rows (model/quant.py): compiled
+            # code would always take the packed kernel, whose cost grows with every row.
+            self.multi_row = not any((isinstance(m, InputMajorLinear) and m.packed is not None)
+                                     or (isinstance(m, QuantizedLinear) and m.dense is not None)
+                                     for m in model.modules())
             log.info("compiling decode steps (torch.compile, at start-up only; --no-compile skips it)")
             t0 = time.perf_counter()
             # dynamic=False: only the dimensions _warm_up marks are dynamic.
