@@ -11,11 +11,11 @@ from tokenslice.request import CompletionOutput, SamplingParams
 class LLM:
     """An engine in this process.
 
-    LLM(model="builtin:tiny", **options): `model` is a local Hugging Face directory or
-    builtin:tiny; each keyword option is a field of one of the config dataclasses (tokenslice/
+    LLM(model="builtin:tiny", **options): `model` is a local Hugging Face directory, a .gguf file,
+    a known model's name (smollm2-135m-instruct) or builtin:tiny; each keyword option is a field of one of the config dataclasses (tokenslice/
     config.py, where every default is written), the same settings as the CLI's engine flags:
 
-    - model: tokenizer, dtype, device, max_model_len, seed;
+    - model: tokenizer, dtype, device, max_model_len, seed, quantization, attention_backend;
     - cache: block_size, kv_cache_blocks, kv_memory_fraction, swap_space_gb, host_kv_blocks,
       offload_dtype;
     - scheduler: policy, preemption, max_batch_size, max_tokens_per_step, mlfq_quantum_ratio,

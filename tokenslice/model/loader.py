@@ -204,13 +204,8 @@ def _quantize(model: nn.Module, quantization: dict[str, str | None] | str) -> No
         quantization = {name: mode for name, mode in quantization.items() if name in linears}
         if not any(quantization.values()):
             return
-    try:
-        from tokenslice.model.quant import quantize_linears
-    except ImportError as e:
-        if isinstance(quantization, str):
-            raise ValueError(f"quantization {quantization} needs tokenslice.model.quant ({e})") from None
-        log.warning("the file's quantized weights run dequantized: tokenslice.model.quant is unavailable (%s)", e)
-        return
+    from tokenslice.model.quant import quantize_linears
+
     log.info("%d linears quantized (weight-only)", quantize_linears(model, quantization))
 
 
