@@ -61,6 +61,29 @@ def triton_available() -> bool:
 
 
 @_jit
+def _attend_tile(q, K, V, table, pos, valid, visible, kvh, m_i, l_i, acc, scale_log2,
+                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, offs_d,
+                 BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One tile of key positions `pos` (`valid` ones exist, `visible` [queries, keys] ones are
+    attended): K and V loaded in place through the block `table`, folded into the online softmax
+    (running max m_i, sum l_i, output acc). Returns the updated (m_i, l_i, acc)."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    k = tl.load(K + block[None, :] * stride_kb + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+                mask=valid[None, :], other=0.0).to(DOT_DTYPE)  # [HEAD_DIM, BLOCK_N]
+    s = tl.dot(q, k, input_precision="ieee") * scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                mask=valid[:, None], other=0.0).to(DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@_jit
 def _decode_kernel(Q, K, V, BT, CTX, O, PART_O, PART_LSE, scale_log2,
                    stride_qd, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                    stride_bt, stride_od, stride_oh,
@@ -87,20 +110,9 @@ def _decode_kernel(Q, K, V, BT, CTX, O, PART_O, PART_LSE, scale_log2,
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         valid = pos < hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k = tl.load(K + block[None, :] * stride_kb + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                    mask=valid[None, :], other=0.0).to(DOT_DTYPE)  # [HEAD_DIM, BLOCK_N]
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                    mask=valid[:, None], other=0.0).to(DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, K, V, table, pos, valid, valid[None, :], kvh, m_i, l_i, acc, scale_log2,
+                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, offs_d,
+                                     BLOCK_SIZE, DOT_DTYPE)
     # A split with no keys (a short row, or a padding row of 0 keys) holds zeros and lse = -inf,
     # so the merge gives it no weight.
     seen = l_i > 0
@@ -175,20 +187,10 @@ def _prefill_kernel(Q, K, V, BT, QSL, CTX, O, scale_log2, num_seqs,
     for start in range(0, kv_end, BLOCK_N):
         pos = start + offs_n
         valid = pos < kv_end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        slot = pos % BLOCK_SIZE
-        k = tl.load(K + block[None, :] * stride_kb + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                    mask=valid[None, :], other=0.0).to(DOT_DTYPE)  # [HEAD_DIM, BLOCK_N]
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # key 0 is in every row's first tile: finite from there
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + block[:, None] * stride_vb + slot[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                    mask=valid[:, None], other=0.0).to(DOT_DTYPE)  # [BLOCK_N, HEAD_DIM]
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
-        m_i = m_new
+        # Key 0 is in every query's first tile, so the running max is finite from there on.
+        m_i, l_i, acc = _attend_tile(q, K, V, table, pos, valid, valid[None, :] & (pos[None, :] <= q_pos[:, None]),
+                                     kvh, m_i, l_i, acc, scale_log2, stride_kb, stride_kt, stride_kh, stride_vb,
+                                     stride_vt, stride_vh, offs_d, BLOCK_SIZE, DOT_DTYPE)
     out = acc / l_i[:, None]
     tl.store(O + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty),
              mask=m_mask[:, None])
