@@ -104,6 +104,32 @@ def test_chat_template_and_stop_at_im_end(smol: LLM) -> None:
     assert out.text == PARIS and out.finish_reason == "stop" and out.token_ids[-1] == tok.eos_token_id
 
 
+# Stated bounds of --quantization auto (int4 layers, exact Q4_1; the Q8_0 head requantized per
+# row) against the dequantized floats: log-probabilities of the float path's greedy tokens move
+# by less than QUANT_LOGPROB_BOUND; greedy outputs equal on at least QUANT_GREEDY_EQUAL prompts.
+QUANT_LOGPROB_BOUND = 0.5
+QUANT_GREEDY_EQUAL = 3
+
+
+def test_quantized_path_stays_close_to_the_dequantized_one(smol: LLM) -> None:
+    tok = smol.tokenizer
+    prompts = [_france_ids(tok)] + [tok(p, add_special_tokens=False)["input_ids"] for p in PLAIN_PROMPTS]
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    score = SamplingParams(max_tokens=0, prompt_logprobs=0)  # each position's own token, prompt only
+    with LLM(SMOLLM2, quantization="auto", dtype="float32", device="cpu", kv_cache_blocks=128) as quantized:
+        assert sum(isinstance(m, QuantizedLinear) for m in quantized.engine.runner.model.modules()) == 121
+        ref = smol.generate(prompts, greedy)
+        got = quantized.generate(prompts, greedy)
+        # The float path's greedy sequences scored by both paths.
+        sequences = [p + r.token_ids for p, r in zip(prompts, ref)]
+        ref_lp = [o.prompt_logprobs.logprobs[-NEW_TOKENS:] for o in smol.generate(sequences, score)]
+        got_lp = [o.prompt_logprobs.logprobs[-NEW_TOKENS:] for o in quantized.generate(sequences, score)]
+    worst = max(abs(a - b) for r, g in zip(ref_lp, got_lp) for a, b in zip(r, g))
+    assert worst < QUANT_LOGPROB_BOUND, worst
+    assert sum(r.token_ids == g.token_ids for r, g in zip(ref, got)) >= QUANT_GREEDY_EQUAL
+    assert got[0].text.startswith(PARIS)
+
+
 def test_known_name_resolves_case_insensitively() -> None:
     path = Path(resolve_model("SmolLM2-135M-Instruct"))
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
