@@ -75,6 +75,12 @@ def resolve_attention_backend(name: str, device: torch.device, head_dim: int) ->
     return name
 
 
+def decode_slots(dec: DecodeInputs, block_size: int) -> np.ndarray:
+    """The cache row (block * block_size + offset) each decode row's new token is written to."""
+    pos = dec.positions
+    return dec.tables[np.arange(len(pos)), pos // block_size] * block_size + pos % block_size
+
+
 def _table_tensor(slices: list[SeqSlice], width: int) -> torch.Tensor:
     rows = [s.block_table[:width] + [0] * (width - min(width, len(s.block_table))) for s in slices]
     return torch.tensor(rows, dtype=torch.long)
@@ -99,7 +105,7 @@ def step_metadata(dec: DecodeInputs, prefill: list[SeqSlice], block_size: int,
     if num_decode:
         # In numpy: on these few-element arrays each torch op costs several times more (dispatch).
         pos, tables = dec.positions, dec.tables
-        slots = torch.from_numpy(tables[np.arange(num_decode), pos // block_size] * block_size + pos % block_size)
+        slots = torch.from_numpy(decode_slots(dec, block_size))
         lmax = max(int(pos.max()) + 1, ctx_len)
         kpos = np.arange(lmax)
         meta.dec_slots = torch.from_numpy((tables[:, kpos // block_size] * block_size + kpos % block_size).reshape(-1))
@@ -146,13 +152,11 @@ def _paged_metadata(dec: DecodeInputs, prefill: list[SeqSlice], block_size: int)
     """The triton backend's metadata: positions and slots of the new tokens, and each row's block
     table and key count; the kernels read the context in place."""
     num_decode = len(dec.positions)
-    pos, tables = dec.positions, dec.tables
-    positions = [pos]
-    slots = [tables[np.arange(num_decode), pos // block_size] * block_size + pos % block_size]
+    positions, slots = [dec.positions], [decode_slots(dec, block_size)]
     meta = AttentionMetadata(positions=torch.empty(0), slots=torch.empty(0), num_decode=num_decode, triton=True)
     if num_decode:
-        meta.dec_tables = torch.from_numpy(tables.astype(np.int32))
-        meta.dec_lens = torch.from_numpy((pos + 1).astype(np.int32))
+        meta.dec_tables = torch.from_numpy(dec.tables.astype(np.int32))
+        meta.dec_lens = torch.from_numpy((dec.positions + 1).astype(np.int32))
     if prefill:
         width = max(len(s.block_table) for s in prefill)
         pf_tables = np.zeros((len(prefill), width), dtype=np.int64)
@@ -233,8 +237,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
 
     Writes the new K/V into their slots, then attends each token over its request's context.
     """
-    if meta.triton:
-        return _triton_paged_attention(q, k, v, kv_layer, meta, scale)
     if meta.new_kv is not None:
         return traced_decode_attention(q, k, v, kv_layer, meta, scale)
     if meta.opaque_decode:
@@ -244,6 +246,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     v_cache = kv_layer[1].view(-1, kvh, hd)
     k_cache.index_copy_(0, meta.slots, k)
     v_cache.index_copy_(0, meta.slots, v)
+    if meta.triton:
+        return _triton_paged_attention(q, kv_layer, meta, scale)
     gqa = q.shape[1] != kvh
     d = meta.num_decode
     outs: list[torch.Tensor] = []
@@ -259,15 +263,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
 
 
-def _triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                            meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write the new K/V, then attend in place through the block tables (no gather)."""
+def _triton_paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                            scale: float) -> torch.Tensor:
+    """Attend in place through the block tables (no gather); the new K/V are already written."""
     from tokenslice.model.triton_attention import paged_decode_attention, paged_prefill_attention
 
-    nb, bs, kvh, hd = kv_layer.shape[1:]
     k_cache, v_cache = kv_layer[0], kv_layer[1]
-    k_cache.view(nb * bs, kvh, hd).index_copy_(0, meta.slots, k)
-    v_cache.view(nb * bs, kvh, hd).index_copy_(0, meta.slots, v)
     d = meta.num_decode
     outs: list[torch.Tensor] = []
     if d:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenslice.model.attention import AttentionMetadata, step_metadata
+from tokenslice.model.attention import AttentionMetadata, decode_slots, step_metadata
 from tokenslice.model.input_batch import DecodeInputs
 from tokenslice.model.layers import InputMajorLinear
 from tokenslice.model.quant import QuantizedLinear
@@ -206,7 +206,7 @@ class _PagedGraph:
 
     def replay(self, dec: DecodeInputs, block_size: int) -> torch.Tensor:
         pos, tables = dec.positions, dec.tables
-        slots = tables[np.arange(len(pos)), pos // block_size] * block_size + pos % block_size
+        slots = decode_slots(dec, block_size)
         # Only the columns in use move; those past them keep stale (valid) block ids that the
         # kernels never read, being past every row's length.
         for dst, src in ((self.input_ids, dec.token_ids), (self.positions, pos), (self.slots, slots),
