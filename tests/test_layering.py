@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "tokenslice"
 
-BASE = {"config", "request", "plan", "clock"}  # tokenslice/<name>.py: plain data, import each other only
+BASE = {"config", "request", "plan", "clock", "delivery"}  # tokenslice/<name>.py: plain data, import each other only
 
 # Mirrors docs/DESIGN.md's "server → engine → sched/kv/predict → model/exec": layer -> lower layers it may import.
 ALLOWED: dict[str, set[str]] = {

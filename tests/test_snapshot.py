@@ -22,8 +22,8 @@ from tokenslice.sched.snapshot import REQUEST_STATES
 
 PROFILE = "opt-13b@a100-40gb"
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-REQUEST_KEYS = {"id", "user", "state", "exec_s", "prompt_tokens", "output_tokens", "computed_tokens",
-                "predicted_output_tokens", "priority", "preemptions", "swaps"}
+REQUEST_KEYS = {"id", "user", "tenant", "state", "exec_s", "prompt_tokens", "output_tokens", "computed_tokens",
+                "predicted_output_tokens", "priority", "preemptions", "swaps", "slack_s", "protected", "stall_s"}
 
 
 def workload() -> list[Any]:

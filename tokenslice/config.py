@@ -9,10 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from tokenslice.delivery import DEFAULT_DELIVERY_RATE
+
 PREEMPTION_MODES = ("defer", "recompute", "reactive-swap", "proactive-swap")
 # When a swap-in is copied (FastSwitch §3.2): as its mode does, always before the step's compute,
 # always overlapping it, or chosen per copy from measured swap statistics.
 SWAP_IN_MODES = ("mode", "sync", "async", "adaptive")
+STALL_GUARD_MODES = ("on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # model weights and device KV
 OFFLOAD_DTYPES = ("auto", "int8")
 # Weight-only quantized linears (model/quant.py): auto keeps a GGUF file's precision where a kernel
@@ -39,9 +42,9 @@ def field_from(cls: type, name: str, **changes: Any) -> Any:
     return field(**{**kw, **changes})
 
 
-def parse_vtc_weights(text: str | None) -> dict[str, float]:
+def parse_vtc_weights(text: str | None, setting: str = "vtc_weights") -> dict[str, float]:
     """`--vtc-weights "alice=2,bob=0.5"` -> {"alice": 2.0, "bob": 0.5}; users not listed weigh 1.
-    ValueError names the bad entry."""
+    Also reads `tenant_weights` (`setting` names it in errors). ValueError names the bad entry."""
     out: dict[str, float] = {}
     for entry in (text or "").split(","):
         if not entry.strip():
@@ -53,9 +56,9 @@ def parse_vtc_weights(text: str | None) -> dict[str, float]:
         except ValueError:
             weight = float("nan")
         if not sep or not user or not (0.0 < weight < float("inf")):
-            raise ValueError(f"vtc_weights: expected USER=WEIGHT with a positive finite weight, got {entry.strip()!r}")
+            raise ValueError(f"{setting}: expected NAME=WEIGHT with a positive finite weight, got {entry.strip()!r}")
         if user in out:
-            raise ValueError(f"vtc_weights: user {user!r} is listed twice")
+            raise ValueError(f"{setting}: {user!r} is listed twice")
         out[user] = weight
     return out
 
@@ -179,6 +182,15 @@ class SchedulerConfig:
     vtc_input_weight: float = 1.0
     vtc_output_weight: float = 2.0
     vtc_weights: str | None = None
+    # vtc over tenants (`serve --api-keys`): each tenant's share ("tenant=w,..."; unlisted tenants
+    # weigh 1); a tenant's share is then divided among its users by vtc_weights.
+    tenant_weights: str | None = None
+    # Stall guard (docs/DESIGN.md, "Stall guard"): over every policy, a started stream whose slack
+    # runs out runs next step and is not evicted. Slack: until its reader, taking delivery_rate
+    # tokens/s, runs out of tokens ("on"), and until max_stall_ms after its last token (if set).
+    stall_guard: str = field(default="off", metadata={"choices": STALL_GUARD_MODES})
+    delivery_rate: float = DEFAULT_DELIVERY_RATE  # tokens/s; also the reader of the stall metrics
+    max_stall_ms: float | None = None
 
     def validate(self) -> None:
         if self.mlfq_quantum_ratio <= 1.0:
@@ -207,6 +219,12 @@ class SchedulerConfig:
         if self.vtc_input_weight == 0 and self.vtc_output_weight == 0:
             raise ValueError("vtc_input_weight and vtc_output_weight cannot both be 0")
         parse_vtc_weights(self.vtc_weights)
+        parse_vtc_weights(self.tenant_weights, "tenant_weights")
+        _check_choice("stall_guard", self.stall_guard, STALL_GUARD_MODES)
+        if not 0.0 < self.delivery_rate < float("inf"):
+            raise ValueError(f"delivery_rate must be a finite number of tokens/s > 0, got {self.delivery_rate}")
+        if self.max_stall_ms is not None and not 0.0 < self.max_stall_ms < float("inf"):
+            raise ValueError(f"max_stall_ms must be a finite number > 0, got {self.max_stall_ms}")
 
 
 @dataclass
@@ -220,6 +238,8 @@ class ParallelConfig:
     # HOST:PORT of its head; None: $RAY_ADDRESS if set, else a private one-node cluster that the
     # engine starts and stops.
     ray_address: str | None = None
+    # executor ray, private cluster: run Ray's dashboard (on 127.0.0.1); off unless asked.
+    ray_dashboard: bool = False
 
     def validate(self) -> None:
         _check_choice("executor", self.executor, EXECUTORS)
@@ -235,6 +255,9 @@ class ParallelConfig:
                              "comma-separated counts")
         if self.ray_address is not None and self.executor != "ray":
             raise ValueError(f"ray_address {self.ray_address!r} needs executor ray, got {self.executor}")
+        if self.ray_dashboard and (self.executor != "ray" or self.ray_address is not None):
+            raise ValueError("ray_dashboard is for the private cluster of executor ray (no ray_address): "
+                             "a cluster joined by address runs its own")
 
     @property
     def stage_layers(self) -> tuple[int, ...] | None:

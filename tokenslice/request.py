@@ -5,6 +5,8 @@ import enum
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from tokenslice.delivery import DEFAULT_DELIVERY_RATE, read_time
+
 
 class RequestState(enum.Enum):
     WAITING = "waiting"  # arrived, never run (or dropped for recompute)
@@ -164,6 +166,16 @@ class RequestMetrics:
     swap_in_bytes: int = 0
     swap_ops: int = 0  # copy operations (contiguous runs) of its swaps
     swap_stall_s: float = 0.0  # time it would have run but waited for its KV (transfers)
+    # Its reader at the request's delivery rate (tokenslice/delivery.py): when it read the last
+    # token, and how long it waited for tokens in all; preemptions after its first token.
+    read_time: float | None = None
+    stall_s: float = 0.0
+    started_preemptions: int = 0
+
+    def add_token_time(self, now: float, delivery_rate: float) -> None:
+        self.token_times.append(now)
+        self.read_time, wait = read_time(self.read_time, now, delivery_rate)
+        self.stall_s += wait
 
     @property
     def ttft(self) -> float | None:
@@ -190,19 +202,22 @@ class EngineRequest:
     eos_after: int | None = None  # trace replay: stop as at an EOS after this many tokens (Request.eos_after)
     cache_prefix: bool = True  # Request.cache_prefix
     prefix_leader: str | None = None  # Request.prefix_leader
+    tenant: str | None = None  # the API key's tenant (serve --api-keys): vtc shares service per tenant
+    delivery_rate: float | None = None  # Request.delivery_rate; None: the server's
 
 
 class Request:
     """One generation request as the scheduler sees it: tokens, KV progress, state, accounting."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, *, user: str | None = None, priority: int = 0,
+                 arrival_time: float, *, user: str | None = None, tenant: str | None = None, priority: int = 0,
                  expected_output_tokens: int | None = None, predicted_output_tokens: int | None = None,
                  eos_token_id: int | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.user = user
+        self.tenant = tenant
         self.priority = priority
         self.expected_output_tokens = expected_output_tokens  # known only to oracles and experiments
         # An output-length predictor's guess, set at arrival (srpt-predicted, ALISE §3.1); None: no predictor.
@@ -223,6 +238,9 @@ class Request:
         # A sibling sample (n > 1) of the same prompt: it waits until this request's prompt KV is
         # computed, then starts from it through the prefix cache instead of computing it again.
         self.prefix_leader: str | None = None
+        # Its reader's pace in tokens/s: the delivery timeline the stall guard keeps (the
+        # scheduler's delivery_rate unless the request set its own).
+        self.delivery_rate: float = DEFAULT_DELIVERY_RATE
         # The next prompt position whose logprob is due (prompt_logprobs): a recompute runs
         # positions again, and each is reported once.
         self.next_prompt_logprob = 1
@@ -342,6 +360,7 @@ class RequestOutput:
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
     cumulative_logprob: float | None = None  # of all sampled tokens so far, with logprobs on
+    tenant: str | None = None  # the request's tenant (per-tenant metrics)
 
 
 @dataclass

@@ -7,6 +7,9 @@
 - SLO attainment = share of *all* requests meeting the SLO (failed ones count and never meet it);
   goodput = requests meeting it per second of makespan; max rate under SLO = highest arrival rate
   whose metric stays within the SLO, interpolated linearly between sweep points.
+- Stall (docs/DESIGN.md, "Stall guard"): a reader takes `delivery_rate` tokens/s from a stream's
+  first token on and waits when the next has not arrived; a request's stall = the time it waited,
+  `stall_s` = the sum over finished requests; QoE = Andes' (tokenslice/delivery.py), averaged.
 - Percentiles are nearest-rank.
 - Fairness across users (FastSwitch §4, VTC's measures): a user's service = the tokens the
   server processed for it (prompt tokens, counted when the first output token arrives, plus
@@ -27,14 +30,16 @@ from typing import Any
 
 import numpy as np
 
+from tokenslice.delivery import DEFAULT_DELIVERY_RATE, qoe, stall_seconds
+
 # Metric keys every results-file run carries (docs/DESIGN.md, "Results file"); more may be added.
 METRIC_KEYS = ("mean_normalized_latency", "p95_normalized_latency", "mean_ttft", "p99_ttft", "p999_ttft",
-               "mean_tbt", "p999_tbt", "mean_jct", "p95_jct", "throughput_rps", "throughput_tok_s",
+               "mean_tbt", "p99_tbt", "p999_tbt", "stall_s", "mean_qoe", "started_preemptions", "mean_jct", "p95_jct", "throughput_rps", "throughput_tok_s",
                "preemptions", "recomputed_tokens", "swap_out_bytes", "swap_in_bytes", "swap_ops",
                "swap_stall_s", "queue_s", "exec_s")
 
 # Server-side counters summed over requests (totals for the run).
-COUNTER_KEYS = ("preemptions", "recomputed_tokens", "swap_out_bytes", "swap_in_bytes", "swap_ops", "swap_stall_s")
+COUNTER_KEYS = ("preemptions", "started_preemptions", "recomputed_tokens", "swap_out_bytes", "swap_in_bytes", "swap_ops", "swap_stall_s")
 # Server-side times averaged over requests (mean seconds per request).
 MEAN_TIME_KEYS = ("queue_s", "exec_s")
 
@@ -58,6 +63,7 @@ class RequestRecord:
     user: str | None = None
     priority: int | None = None
     preemptions: int = 0
+    started_preemptions: int = 0  # preemptions after its first token
     recomputed_tokens: int = 0
     swap_out_bytes: int = 0
     swap_in_bytes: int = 0
@@ -178,7 +184,8 @@ def goodput(records: Sequence[RequestRecord], slo: SLO) -> float | None:
 
 
 def summarize(records: Sequence[RequestRecord], slo: SLO | Mapping[str, Any] | float | None = None,
-              counters: Mapping[str, float] | None = None) -> dict[str, Any]:
+              counters: Mapping[str, float] | None = None,
+              delivery_rate: float = DEFAULT_DELIVERY_RATE) -> dict[str, Any]:
     """All METRIC_KEYS plus percentiles, counts, SLO attainment and goodput for one run.
 
     Latency statistics cover finished requests; throughput is finished requests (and their output
@@ -202,6 +209,9 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | Mapping[str, Any] | f
         "p99_ttft": percentile(ttft, 99), "p999_ttft": percentile(ttft, 99.9),
         "mean_tbt": _mean(tbt), "p50_tbt": percentile(tbt, 50), "p99_tbt": percentile(tbt, 99),
         "p999_tbt": percentile(tbt, 99.9),
+        "stall_s": float(sum(stall_seconds(r.token_times, delivery_rate) for r in done)),
+        "mean_qoe": _mean([q for r in done if (q := qoe(r.arrival, r.token_times, delivery_rate)) is not None]),
+        "delivery_rate": delivery_rate,
         "mean_tpot": _mean(tpot), "p99_tpot": percentile(tpot, 99),
         "mean_jct": _mean(jct), "p50_jct": percentile(jct, 50), "p95_jct": percentile(jct, 95),
         "p99_jct": percentile(jct, 99),

@@ -89,8 +89,9 @@ def _fmt(v: float | None, scale: float = 1.0) -> str:
 
 TABLE_COLUMNS = (("mean norm s/tok", "mean_normalized_latency", 1.0), ("p95 norm", "p95_normalized_latency", 1.0),
                  ("mean TTFT s", "mean_ttft", 1.0), ("p99 TTFT s", "p99_ttft", 1.0),
-                 ("p99.9 TBT ms", "p999_tbt", 1e3), ("tput req/s", "throughput_rps", 1.0),
-                 ("preempt", "preemptions", 1.0))
+                 ("p99 TBT ms", "p99_tbt", 1e3), ("p99.9 TBT ms", "p999_tbt", 1e3), ("stall s", "stall_s", 1.0),
+                 ("QoE", "mean_qoe", 1.0), ("tput req/s", "throughput_rps", 1.0),
+                 ("preempt", "preemptions", 1.0), ("started", "started_preemptions", 1.0))
 LATE_CLIENT_S = 0.1  # bench runs whose client sent a request this late are flagged in the summary
 OPTIONAL_COLUMNS = (("SLO att.", "slo_attainment", 1.0), ("goodput req/s", "goodput_rps", 1.0),
                     ("failed", "num_failed", 1.0))

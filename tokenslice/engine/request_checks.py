@@ -28,3 +28,10 @@ def check_priority(priority: int, policy: Policy) -> None:
         raise InvalidRequestError(
             f"priority {priority} needs a policy that schedules by priority (--policy priority); "
             f"this engine runs {policy.name!r}", "priority")
+
+
+def check_delivery_rate(rate: float | None) -> None:
+    """A stream's own reader pace (the stall guard's timeline) must be a positive number of tokens/s."""
+    if rate is not None and not 0.0 < rate < float("inf"):
+        raise InvalidRequestError(f"tokenslice.delivery_rate must be a finite number of tokens/s > 0, got {rate}",
+                                  "tokenslice.delivery_rate")

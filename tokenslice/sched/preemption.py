@@ -12,6 +12,7 @@ from tokenslice.plan import BlockTransfer, Direction, StepPlan, StepResult, copy
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
 from tokenslice.sched.protection import EvictionGuard
+from tokenslice.sched.stall_guard import StallGuard
 from tokenslice.sched.stats import SchedulerStats
 from tokenslice.sched.swap_in import SwapInChoice
 
@@ -25,7 +26,8 @@ class Recompute:
     async_swap_in = False  # the mode's own swap-in: in the step's critical path
 
     def __init__(self, config: SchedulerConfig, policy: Policy, kv: KVManager, ctx: PolicyContext,
-                 stats: SchedulerStats, requests: dict[str, Request], swap_block_bytes: int = 0) -> None:
+                 stats: SchedulerStats, requests: dict[str, Request], swap_block_bytes: int = 0, *,
+                 stall_guard: StallGuard | None = None) -> None:
         self.config = config
         self.policy = policy
         self.kv = kv
@@ -34,6 +36,7 @@ class Recompute:
         self.requests = requests  # the scheduler's live requests (read only)
         self.swap_block_bytes = swap_block_bytes  # one block in its host format
         self.guard = EvictionGuard(config.eviction_amortization)
+        self.stall_guard = stall_guard or StallGuard(config)  # its protected streams are never evicted
         self.protection_blocked = False  # the last plan skipped a victim for its protection
         self._now = 0.0
         self._enst: dict[str, float] | None = None  # next-run estimates, once per plan on demand
@@ -56,8 +59,15 @@ class Recompute:
         pass
 
     def next_run_estimates(self) -> dict[str, float]:
+        """The policy's estimates, capped where the stall guard will run a started stream sooner."""
         if self._enst is None:
-            self._enst = self.policy.next_run_estimates(self._now)
+            enst = self.policy.next_run_estimates(self._now)
+            if self.stall_guard.enabled:
+                for rid, req in self.requests.items():
+                    bound = self.stall_guard.next_run_bound(req, self._now)
+                    if bound is not None and bound < enst.get(rid, float("inf")):
+                        enst[rid] = bound
+            self._enst = enst
         return self._enst
 
     def make_room(self, need: int, lower: list[Request], chosen: set[str], holds_kv: bool, plan: StepPlan,
@@ -69,7 +79,7 @@ class Recompute:
             return False
         kv = self.kv
         victims = [r for r in reversed(lower) if r.request_id not in chosen and kv.holds(r.request_id)
-                   and not kv.in_flight(r.request_id)]
+                   and not kv.in_flight(r.request_id) and not self.stall_guard.is_protected(r.request_id)]
         if len(victims) > 1:
             # FastServe §4.2: evict the job that will run last, not merely the lowest-ranked one:
             # a long-waiting job about to be promoted ranks low but runs soon.
@@ -101,7 +111,8 @@ class Recompute:
         if on_host:
             num_blocks = len(self.kv.host_blocks(rid))
             self.guard.protect(rid, self._swap_seconds(num_blocks))
-            sync = not self._async_swap_in(num_blocks)
+            # A protected stream cannot wait a step for an overlapped copy: its deadline is near.
+            sync = self.stall_guard.is_protected(rid) or not self._async_swap_in(num_blocks)
             self.move(req, "in", plan, sync=sync)
             return sync
         self.guard.protect(rid, self.ctx.first_iteration_s(req.num_tokens - 1))
@@ -156,7 +167,7 @@ class Recompute:
     def preempt(self, req: Request) -> None:
         if req.state is RequestState.RUNNING:
             req.state = RequestState.PREEMPTED
-            self.stats.record_preemption(req.metrics)
+            self.stats.record_preemption(req.metrics, started=req.num_output_tokens > 0)
 
     def drop(self, req: Request, plan: StepPlan) -> None:
         """Discard the request's KV; it recomputes when it runs again."""

@@ -54,7 +54,8 @@ class ProactiveSwap(ReactiveSwap):
         kv = self.kv
         target = self.reserve = self.burst_reserve_blocks()
         free = kv.device.num_free + kv.device_blocks_releasing()
-        idle = [r for rid, r in self.requests.items() if rid not in chosen and kv.holds(rid) and not kv.in_flight(rid)]
+        idle = [r for rid, r in self.requests.items() if rid not in chosen and kv.holds(rid) and not kv.in_flight(rid)
+                and not self.stall_guard.is_protected(rid)]
         on_host = [r for rid, r in self.requests.items() if not kv.in_flight(rid) and kv.residency(rid) == "host"]
         if not (free < target and idle) and not on_host:
             return

@@ -12,6 +12,7 @@ from tokenslice.predict.cost import CostModel
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
+from tokenslice.sched.stall_guard import StallGuard
 from tokenslice.sched.stats import SchedulerStats
 
 
@@ -26,8 +27,9 @@ class Scheduler:
         self.ctx = ctx or PolicyContext(config)
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.stall_guard = StallGuard(config)
         self.preemption = PREEMPTION_STRATEGIES[config.preemption](
-            config, policy, kv, self.ctx, self.stats, self.requests, swap_block_bytes)
+            config, policy, kv, self.ctx, self.stats, self.requests, swap_block_bytes, stall_guard=self.stall_guard)
         self._released: list[str] = []  # finished since the last plan; the executor may forget them
         self._finished: list[Request] = []  # finished since the engine last asked
         self._running: set[str] = set()  # chosen by the last plan
@@ -37,9 +39,11 @@ class Scheduler:
         self._in_pipeline: set[str] = set()
 
     # ---- membership -------------------------------------------------------------------------
-    def add(self, req: Request, now: float) -> None:
+    def add(self, req: Request, now: float, delivery_rate: float | None = None) -> None:
+        """`delivery_rate`: the request's own reader pace (tokens/s); None: the configured one."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already live")
+        req.delivery_rate = self.config.delivery_rate if delivery_rate is None else delivery_rate
         self.requests[req.request_id] = req
         self.preemption.on_arrival(req)
         self.policy.on_arrival(req, now)
@@ -91,7 +95,8 @@ class Scheduler:
         self._released = []
         self.preemption.begin_plan(now)
         self.kv.begin_plan()
-        ranked = iter(self.policy.ranked(now))
+        self.stall_guard.begin_plan(self.requests.values(), now)
+        ranked = self.stall_guard.order(self.policy.ranked(now))
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
         busy = self._in_pipeline
         chosen, stalled, rest = self._fill_batch(ranked, seen, plan, now)
@@ -207,6 +212,7 @@ class Scheduler:
         produced: list[Request] = []
         self._in_pipeline.difference_update(s.request_id for s in plan.slices)
         self.preemption.observe(plan, result)
+        self.stall_guard.observe_step(result.step_seconds)
         for rid in result.transfers_done:  # also for requests aborted mid-transfer
             if self.kv.in_flight(rid):
                 self.kv.end_transfer(rid)
@@ -236,7 +242,7 @@ class Scheduler:
                 continue
             tok = result.sampled[s.request_id]
             req.output_token_ids.append(tok)
-            m.token_times.append(now)
+            m.add_token_time(now, req.delivery_rate)
             produced.append(req)
             reason = req.stop_reason(tok)
             if reason is not None:
@@ -253,6 +259,8 @@ class Scheduler:
             return None
         if self.preemption.protection_blocked:  # an expiring protection would change the next plan
             return None
+        if self.stall_guard.protected:  # the guard, not the policy, chose part of it
+            return None
         live = self.requests
         return [live[s.request_id] for s in plan.decode] if all(s.request_id in live for s in plan.decode) else None
 
@@ -265,6 +273,14 @@ class Scheduler:
         room = self.preemption.fast_forward_room(self.kv.device.num_free)
         return self.kv.steps_that_fit([(r.request_id, r.num_computed_tokens) for r in reqs], k, room)
 
+    def stable_steps(self, reqs: list[Request], durations: list[float], ends: list[float]) -> int:
+        """How many of the upcoming steps the batch `reqs` may repeat before the policy's order
+        or the stall guard's protection could change the plan."""
+        limit = self.policy.stable_steps(reqs, durations, ends)
+        batch = {r.request_id for r in reqs}
+        idle = [r for rid, r in self.requests.items() if rid not in batch]
+        return min(limit, self.stall_guard.stable_steps(idle, durations[:limit], ends[:limit]))
+
     def repeat_decode(self, reqs: list[Request], durations: list[float], ends: list[float],
                       token: int) -> None:
         """Apply len(durations) decode steps of `reqs` at once, exactly as that many
@@ -272,6 +288,8 @@ class Scheduler:
         k = len(durations)
         new_tokens = [token] * k
         self._in_pipeline.difference_update(r.request_id for r in reqs)
+        for d in durations:
+            self.stall_guard.observe_step(d)
         for req in reqs:
             self.kv.ensure(req.request_id, req.num_computed_tokens + k)
             req.num_computed_tokens += k
@@ -283,7 +301,8 @@ class Scheduler:
                 service += d
             m.exec_s = service
             req.output_token_ids.extend(new_tokens)
-            m.token_times.extend(ends)
+            for end in ends:
+                m.add_token_time(end, req.delivery_rate)
             if req.cache_prefix:
                 self.kv.cache_computed(req.request_id, req.num_computed_tokens, req.token_ids)
         for req in reqs:  # finishes first, then the policy's charge, as in a single step

@@ -20,6 +20,7 @@ REQUEST_STATES = ("waiting", "running", "preempted", "swapping", "on host", "to 
 class RequestView:
     id: str
     user: str | None
+    tenant: str | None  # the API key's tenant (serve --api-keys)
     state: str  # one of REQUEST_STATES
     exec_s: float  # attained service: seconds of the steps it ran in (MLFQ's)
     prompt_tokens: int
@@ -29,6 +30,11 @@ class RequestView:
     priority: int
     preemptions: int
     swaps: int
+    # Stall guard: seconds until the stream's next token is due (None: not started or no guard),
+    # whether it runs next step for that, and how long its reader has waited so far.
+    slack_s: float | None = None
+    protected: bool = False
+    stall_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -54,12 +60,15 @@ def request_state(scheduler: Scheduler, req: Request) -> str:
     return "waiting" if req.state is RequestState.WAITING else "preempted"
 
 
-def request_view(scheduler: Scheduler, req: Request) -> RequestView:
+def request_view(scheduler: Scheduler, req: Request, now: float) -> RequestView:
     m = req.metrics
-    return RequestView(id=req.request_id, user=req.user, state=request_state(scheduler, req), exec_s=m.exec_s,
+    guard = scheduler.stall_guard
+    return RequestView(id=req.request_id, user=req.user, tenant=req.tenant,
+                       state=request_state(scheduler, req), exec_s=m.exec_s,
                        prompt_tokens=req.num_prompt_tokens, output_tokens=req.num_output_tokens,
                        computed_tokens=req.num_computed_tokens, predicted_output_tokens=req.predicted_output_tokens,
-                       priority=req.priority, preemptions=m.preemptions, swaps=m.swaps)
+                       priority=req.priority, preemptions=m.preemptions, swaps=m.swaps,
+                       slack_s=guard.slack(req, now), protected=guard.is_protected(req.request_id), stall_s=m.stall_s)
 
 
 def snapshot(scheduler: Scheduler, now: float) -> dict[str, Any]:
@@ -73,7 +82,7 @@ def snapshot(scheduler: Scheduler, now: float) -> dict[str, Any]:
         "queues": scheduler.policy.describe_queues(),
         # vars(), not asdict(): the fields are scalars, and asdict's deep copy was most of a
         # 1,000-request snapshot's time (a live server takes one every 250 ms).
-        "requests": [vars(request_view(scheduler, r)) for r in scheduler.requests.values()],
+        "requests": [vars(request_view(scheduler, r, now)) for r in scheduler.requests.values()],
         "kv": {"block_size": kv.block_size,
                "device": asdict(PoolView(device.num_blocks, device.num_blocks - device.num_free, device.num_free)),
                "host": asdict(PoolView(host.num_blocks, host.num_blocks - host.num_free, host.num_free)),

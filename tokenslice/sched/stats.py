@@ -11,6 +11,7 @@ from tokenslice.request import RequestMetrics
 @dataclass
 class SchedulerStats:
     preemptions: int = 0  # a running request paused: evicted, or left out of the next batch
+    started_preemptions: int = 0  # of those, streams that had sent a token (a reader waits)
     recomputed_tokens: int = 0  # KV tokens dropped, to be computed again
     swap_out_bytes: int = 0  # device -> host, as moved over the link (int8-sized when offloaded so)
     swap_in_bytes: int = 0
@@ -32,9 +33,12 @@ class SchedulerStats:
         """Evicted cached blocks copied to host: traffic of no request, so not in swap_out_bytes."""
         self.prefix_cache_offload_bytes += nbytes
 
-    def record_preemption(self, m: RequestMetrics) -> None:
+    def record_preemption(self, m: RequestMetrics, started: bool = False) -> None:
         m.preemptions += 1
         self.preemptions += 1
+        if started:
+            m.started_preemptions += 1
+            self.started_preemptions += 1
 
     def record_recompute(self, m: RequestMetrics, tokens: int) -> None:
         m.recomputed_tokens += tokens

@@ -8,6 +8,7 @@ gets its own CollectorRegistry (no global state).
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,8 +23,12 @@ from tokenslice.server.latency_window import LatencyWindow
 LABELS = ["model_name"]
 USER_LABELS = ["model_name", "user"]
 # Per-user series are labelled by the client's `user` string: past this many distinct users the
-# rest share one series, so a client cannot grow the scrape without bound.
+# rest share one series, and a long or unprintable one is cut to a prefix and a hash
+# (user_label), so a client can grow the scrape neither by many users nor by long names.
 MAX_METRIC_USERS = 100
+MAX_USER_LABEL_CHARS = 64
+# Per-tenant series are labelled by the tenant names of `serve --api-keys` (server/identity.py).
+TENANT_LABELS = ["model_name", "tenant"]
 OTHER_USERS = "_other"
 NO_USER = "_none"
 # Seconds; fine at the low end because CPU decode steps take milliseconds.
@@ -71,6 +76,8 @@ class _StatsCollector(Collector):
         yield self._gauge("tokenslice:kv_cache_num_blocks", "Device KV blocks in the pool.", s.device_blocks_total)
         c = s.scheduler
         yield self._counter("tokenslice:num_preemptions", "Requests preempted by the scheduler.", c.preemptions)
+        yield self._counter("tokenslice:num_started_preemptions",
+                            "Preemptions of streams that had sent a token (a reader may wait).", c.started_preemptions)
         yield self._counter("tokenslice:kv_swap_out_bytes", "KV bytes copied from device to host.", c.swap_out_bytes)
         yield self._counter("tokenslice:kv_swap_in_bytes", "KV bytes copied from host to device.", c.swap_in_bytes)
         yield self._counter("tokenslice:kv_swap_ops", "Copy operations (contiguous block runs) of KV swaps.", c.swap_ops)
@@ -91,8 +98,19 @@ class _StatsCollector(Collector):
         yield self._counter("tokenslice:engine_faults", "Engine steps that raised.", s.num_faults)
 
 
+def user_label(user: str) -> str:
+    """The label of a client's `user`: itself if short and printable; else its printable prefix,
+    "~" and 16 hex digits of its hash, MAX_USER_LABEL_CHARS in all."""
+    if len(user) <= MAX_USER_LABEL_CHARS and user.isprintable():
+        return user
+    digest = hashlib.blake2b(user.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+    prefix = "".join(c for c in user[:MAX_USER_LABEL_CHARS - 17] if c.isprintable())
+    return f"{prefix}~{digest}"
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], queued: Callable[[], int]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], queued: Callable[[], int],
+                 tenants: tuple[str, ...] = ()) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
@@ -110,6 +128,10 @@ class ServerMetrics:
                              LABELS, buckets=REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram("tokenslice:request_queue_time_seconds", "Arrival to first scheduled.",
                                     LABELS, buckets=REQUEST_BUCKETS, registry=r)
+        self.stall = Histogram("tokenslice:request_stall_seconds",
+                               "Per finished request: time its reader, at the request's delivery rate, waited "
+                               "for tokens after the first (docs/DESIGN.md, Stall guard).",
+                               LABELS, buckets=LATENCY_BUCKETS, registry=r)
         # Per user (fair-share policies, FastSwitch / VTC): the service each user got and its latency.
         self.user_prompt_tokens = Counter("tokenslice:user_prompt_tokens", "Prefill tokens processed, per user.",
                                           USER_LABELS, registry=r)
@@ -118,12 +140,26 @@ class ServerMetrics:
         self.user_e2e = Histogram("tokenslice:user_e2e_request_latency_seconds", "Arrival to finish, per user.",
                                   USER_LABELS, buckets=REQUEST_BUCKETS, registry=r)
         self._users: set[str] = set()
+        # Per tenant (`serve --api-keys`): service, latency, and requests refused by its limits.
+        self.tenant_prompt_tokens = Counter("tokenslice:tenant_prompt_tokens", "Prefill tokens processed, per tenant.",
+                                            TENANT_LABELS, registry=r)
+        self.tenant_generation_tokens = Counter("tokenslice:tenant_generation_tokens", "Tokens generated, per tenant.",
+                                                TENANT_LABELS, registry=r)
+        self.tenant_e2e = Histogram("tokenslice:tenant_e2e_request_latency_seconds", "Arrival to finish, per tenant.",
+                                    TENANT_LABELS, buckets=REQUEST_BUCKETS, registry=r)
+        self.tenant_refusals = Counter("tokenslice:tenant_requests_limited",
+                                       "Requests refused (429) by their tenant's limit, per tenant and limit.",
+                                       TENANT_LABELS + ["limit"], registry=r)
+        self._tenant_series = {t: (self.tenant_prompt_tokens.labels(model_name, t),
+                                   self.tenant_generation_tokens.labels(model_name, t),
+                                   self.tenant_e2e.labels(model_name, t)) for t in tenants}
         r.register(_StatsCollector(model_name, stats, queued))
         # The model-labelled series, looked up once: observe runs for every token of every stream.
         m = model_name
         self._generation_tokens, self._prompt_tokens = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)
         self._ttft, self._tbt, self._e2e = self.ttft.labels(m), self.tbt.labels(m), self.e2e.labels(m)
         self._queue_time = self.queue_time.labels(m)
+        self._stall = self.stall.labels(m)
         self._user_series: dict[str, tuple[Any, Any, Any]] = {}
         # The last minute's TTFT and TBT, for the live view (/v1/state).
         self.recent_ttft = LatencyWindow()
@@ -132,11 +168,12 @@ class ServerMetrics:
     def _user_label(self, user: str | None) -> str:
         if user is None:
             return NO_USER
-        if user in self._users:
-            return user
+        label = user_label(user)
+        if label in self._users:
+            return label
         if len(self._users) < MAX_METRIC_USERS:
-            self._users.add(user)
-            return user
+            self._users.add(label)
+            return label
         return OTHER_USERS
 
     def _per_user(self, user: str | None) -> tuple[Any, Any, Any]:
@@ -155,12 +192,17 @@ class ServerMetrics:
         record) is consistent."""
         m = out.metrics
         user_prompt, user_generation, user_e2e = self._per_user(out.user)
+        tenant = self._tenant_series.get(out.tenant) if out.tenant is not None else None
         if out.new_token_ids:
             self._generation_tokens.inc(len(out.new_token_ids))
             user_generation.inc(len(out.new_token_ids))
+            if tenant is not None:
+                tenant[1].inc(len(out.new_token_ids))
             if m is not None and out.num_output_tokens == len(out.new_token_ids):  # its first token
                 self._prompt_tokens.inc(out.num_prompt_tokens)
                 user_prompt.inc(out.num_prompt_tokens)
+                if tenant is not None:
+                    tenant[0].inc(out.num_prompt_tokens)
                 if m.ttft is not None:
                     self._ttft.observe(m.ttft)
                     self.recent_ttft.add(m.ttft)
@@ -175,9 +217,17 @@ class ServerMetrics:
             if m is not None and m.e2e is not None:
                 self._e2e.observe(m.e2e)
                 user_e2e.observe(m.e2e)
+                if tenant is not None:
+                    tenant[2].observe(m.e2e)
+            if m is not None and m.token_times:
+                self._stall.observe(m.stall_s)
 
     def reject(self, status: int) -> None:
         self.rejected.labels(self.model_name, str(status)).inc()
+
+    def tenant_limited(self, tenant: str | None, limit: str) -> None:
+        if tenant in self._tenant_series:
+            self.tenant_refusals.labels(self.model_name, tenant, limit).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,6 +10,7 @@ support yet are refused by the handlers with a clear 400.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler,
@@ -71,11 +72,6 @@ NO_OP_VALUES: dict[str, tuple[object, ...]] = {"top_logprobs": (None,), "echo": 
                                                "best_of": (None, 1), "prompt_logprobs": (None,)}
 
 
-# Sampling fields that may be sent as null, meaning their default (as if left out).
-NULL_MEANS_DEFAULT = frozenset({"temperature", "top_p", "top_k", "stop", "repetition_penalty", "min_p",
-                                "stop_token_ids", "logit_bias"})
-
-
 def _is_no_op(value: object, no_ops: tuple[object, ...]) -> bool:
     # Same type as well as equal: `best_of: true` is not 1, nor `echo: 0` false.
     return any(type(value) is type(v) and value == v for v in no_ops)
@@ -83,6 +79,16 @@ def _is_no_op(value: object, no_ops: tuple[object, ...]) -> bool:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI's API takes null for an optional field as "the default" (vLLM too): such a null is
+        # dropped before validation, so the field keeps its default. A required field still refuses it.
+        if isinstance(data, dict) and None in data.values():
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -96,12 +102,16 @@ class TokensliceOptions(_Strict):
 
     expected_output_tokens: NonNegativeHint | None = Field(
         None, description="true output length, read only by the srpt-oracle policy")
+    delivery_rate: float | None = Field(
+        None, gt=0, le=1e6, allow_inf_nan=False,
+        description="this stream's reader pace in tokens/s: the stall guard keeps its tokens coming at "
+                    "least this fast once it started (default: the server's --delivery-rate)")
 
 
 class SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions. The sampling defaults are
-    SamplingParams' (request.py); a null in NULL_MEANS_DEFAULT is dropped before validation, so
-    those fields are never None on a validated request."""
+    SamplingParams' (request.py); a null is dropped before validation (_Strict), so a field with a
+    non-null default is never None on a validated request."""
 
     model: str | None = Field(None, description="must be the served model name; defaults to it")
     max_tokens: PositiveInt | None = None
@@ -149,11 +159,11 @@ class SamplingFields(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_nulls_and_ignored(cls, data: Any) -> Any:
+    def _drop_ignored(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        drop = {k for k, v in data.items() if (v is None and k in NULL_MEANS_DEFAULT) or (
-            k not in cls.model_fields and (k in IGNORED_FIELDS or _is_no_op(v, NO_OP_VALUES.get(k, ()))))}
+        drop = {k for k, v in data.items() if k not in cls.model_fields and (
+            k in IGNORED_FIELDS or _is_no_op(v, NO_OP_VALUES.get(k, ())))}
         return {k: v for k, v in data.items() if k not in drop} if drop else data
 
 
@@ -261,11 +271,15 @@ class PromptLogprob(BaseModel):
     decoded_token: str | None = None
 
 
+STOP_REASON_DOC = "the stop string or stop token id that ended the choice (null: EOS or length), as vLLM"
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description=STOP_REASON_DOC)
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
     @model_serializer(mode="wrap")
@@ -310,6 +324,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description=STOP_REASON_DOC)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -336,6 +351,7 @@ class ChatStreamChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = Field(None, description=STOP_REASON_DOC)
 
 
 class ChatCompletionChunk(BaseModel):
@@ -356,17 +372,46 @@ class CompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class ModelPermission(BaseModel):
+    """OpenAI's legacy permission object, as vLLM lists it with every model."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tokenslice"
+    root: str | None = Field(None, description="the model the name serves (--model), as vLLM")
+    parent: str | None = None
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizerInfoResponse(BaseModel):
+    """GET /tokenizer_info, as vLLM: the tokenizer's settings (tokenizer_config.json's, without file
+    paths), its class and the chat template in use."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tokenizer_class: str
 
 
 class ErrorInfo(BaseModel):

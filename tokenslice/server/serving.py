@@ -9,15 +9,17 @@ from fastapi import Request
 
 from tokenslice.engine.protocol import (EngineClient, EngineDeadError, EngineFaultError, EngineOverloadedError,
                                         RequestStream)
-from tokenslice.request import EngineRequest, InvalidRequestError, SamplingParams
+from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput, SamplingParams
 from tokenslice.server.choices import Choice, abort_unfinished, merged, sibling_seed
 from tokenslice.server.errors import APIError, ClientGone, engine_fault, engine_unavailable
+from tokenslice.server.identity import Tenant, TenantBook, TenantLimitError, load_keyring
 from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.prompts import PromptTokenizer
 from tokenslice.server.protocol import SamplingFields
 from tokenslice.server.settings import ServerSettings
 from tokenslice.server.state import StateHub
 from tokenslice.server.track import Track
+from tokenslice.server.vllm_metrics import VllmMetrics
 
 
 class Server:
@@ -28,23 +30,39 @@ class Server:
         self.async_engine = engine
         self.info = engine.info
         self.tokenizer = engine.tokenizer
-        self.prompts = PromptTokenizer(engine, settings.served_model_name)
+        # What names tokens in logprobs; None: "token_id:<id>" (--return-tokens-as-token-ids).
+        self.logprob_tokenizer = None if settings.return_tokens_as_token_ids else engine.tokenizer
+        self.prompts = PromptTokenizer(engine, settings.served_model_name, settings.chat_template)
+        # Who each API key is, and each tenant's live requests and limits (server/identity.py).
+        self.keyring = load_keyring(settings.api_keys, settings.api_key)
+        self.tenants = TenantBook()
         self.metrics = ServerMetrics(settings.served_model_name, lambda: self.async_engine.stats,
-                                     lambda: self.async_engine.num_queued)
-        self.async_engine.observer = self.metrics.observe
+                                     lambda: self.async_engine.num_queued, tenants=self.keyring.tenant_names)
+        self.vllm_metrics = VllmMetrics(self.metrics.registry, settings.served_model_name, self.info.max_model_len,
+                                        lambda: self.async_engine.stats, settings.cache_config_info)
+        self.async_engine.observer = self.observe
         self.state = StateHub(engine, self.metrics)
 
+    def observe(self, out: RequestOutput) -> None:
+        """Every engine output, for both sets of metrics (tokenslice's and vLLM's names)."""
+        self.metrics.observe(out)
+        self.vllm_metrics.observe(out)
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.served_model_name:
-            raise APIError(400, f"model {model!r} is not served here; available: {self.settings.served_model_name!r}",
+        """A request's `model` must be one of the served names: else 404, as OpenAI and vLLM answer."""
+        if model is not None and model not in self.settings.model_names:
+            names = ", ".join(repr(n) for n in self.settings.model_names)
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {names}",
                            param="model", code="model_not_found")
 
     async def submit(self, track: Track, request_id: str, prompt: list[int], params: SamplingParams,
                      body: SamplingFields, prefix_leader: str | None = None) -> RequestStream:
         try:
             return await self.async_engine.add_request(EngineRequest(
-                request_id, prompt, params, arrival_time=track.start, user=body.user, priority=body.priority,
+                request_id, prompt, params, arrival_time=track.start, user=body.user, tenant=track.tenant.name,
+                priority=self.priority_for(track.tenant, body.priority),
                 expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None,
+                delivery_rate=body.tokenslice.delivery_rate if body.tokenslice else None,
                 prefix_leader=prefix_leader))
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -57,21 +75,35 @@ class Server:
         except EngineFaultError as e:
             raise engine_fault(track.request_id, e) from None
 
+    def priority_for(self, tenant: Tenant, priority: int) -> int:
+        """The priority a tenant's request gets: clamped into its key's range (server/identity.py)
+        under a policy that reads priorities; others refuse any but 0, so it is left as asked."""
+        return tenant.clamp(priority) if self.info.uses_priority else priority
+
     async def submit_choices(self, track: Track, prompts: list[list[int]], params: SamplingParams, copies: int,
                              body: SamplingFields) -> list[Choice]:
         """`copies` engine requests per prompt, each its own scheduled request: the request id for
-        a single one, `{id}-{k}` (k = prompt index x copies + i) for several. All or none."""
+        a single one, `{id}-{k}` (k = prompt index x copies + i) for several. All or none, and
+        within the tenant's limits (429 past them)."""
         track.prompt_tokens = sum(len(p) for p in prompts)  # streamed usage may be sent before any output
         single = len(prompts) * copies == 1
         choices: list[Choice] = []
+        # As OpenAI's rate limits count: the prompt and max_tokens of every choice, at admission.
+        tokens = track.prompt_tokens + params.max_tokens * len(prompts) * copies
         try:
-            for pi, ids in enumerate(prompts):
-                for i in range(copies):
-                    rid = track.request_id if single else f"{track.request_id}-{pi * copies + i}"
-                    sp = dataclasses.replace(params, seed=sibling_seed(params.seed, i))
-                    # Siblings start from the first one's prompt KV (prefix cache) instead of recomputing it.
-                    leader = choices[pi * copies].stream.request_id if i else None
-                    choices.append(Choice(pi, ids, await self.submit(track, rid, ids, sp, body, leader)))
+            with self.tenants.admit(track.tenant, len(prompts) * copies, tokens) as accepted:
+                for pi, ids in enumerate(prompts):
+                    for i in range(copies):
+                        rid = track.request_id if single else f"{track.request_id}-{pi * copies + i}"
+                        sp = dataclasses.replace(params, seed=sibling_seed(params.seed, i))
+                        # Siblings start from the first one's prompt KV (prefix cache) instead of recomputing it.
+                        leader = choices[pi * copies].stream.request_id if i else None
+                        choices.append(Choice(pi, ids, await self.submit(track, rid, ids, sp, body, leader)))
+                        accepted(choices[-1].stream)
+        except TenantLimitError as e:
+            self.metrics.tenant_limited(track.tenant.name, e.limit)
+            raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None) from None
         except BaseException:
             abort_unfinished(self.async_engine, choices)
             raise

@@ -102,7 +102,7 @@ class SimulatedEngine(Engine):
             ends += more_e
             # Stop at the first step that reaches the next arrival, as step-by-step replay would.
             limit = min(window, bisect.bisect_left(ends, horizon) + 1)
-            limit = sched.policy.stable_steps(reqs, durations[:limit], ends[:limit])
+            limit = sched.stable_steps(reqs, durations[:limit], ends[:limit])
             if limit < window or window == k:
                 break
             window = min(k, 2 * window)

@@ -80,6 +80,9 @@ class SweepSpec:
     burst_reserve_queues: int = field_from(SchedulerConfig, "burst_reserve_queues")
     eviction_amortization: float = field_from(SchedulerConfig, "eviction_amortization")
     srpt_aging: float = field_from(SchedulerConfig, "srpt_aging")
+    stall_guard: str = field_from(SchedulerConfig, "stall_guard")
+    delivery_rate: float = field_from(SchedulerConfig, "delivery_rate")
+    max_stall_ms: float | None = field_from(SchedulerConfig, "max_stall_ms")
     block_size: int = field_from(CacheConfig, "block_size")
     slo_normalized_latency: float | None = None  # None: 10x the decode iteration time
     starvation_limit_s: float | None = field_from(SchedulerConfig, "starvation_limit_s")
@@ -226,7 +229,7 @@ def records_from_requests(reqs: Sequence[Request]) -> list[RequestRecord]:
             output_tokens=r.num_output_tokens, first_token_time=m.token_times[0] if m.token_times else None,
             token_times=list(m.token_times), finish_time=m.finish_time, ok=finished,
             error=None if finished else (r.finish_reason or "unfinished"), user=r.user, priority=r.priority,
-            preemptions=m.preemptions, recomputed_tokens=m.recomputed_tokens,
+            preemptions=m.preemptions, started_preemptions=m.started_preemptions, recomputed_tokens=m.recomputed_tokens,
             swap_out_bytes=m.swap_out_bytes, swap_in_bytes=m.swap_in_bytes, swap_ops=m.swap_ops, swap_stall_s=stall,
             # Clamped: float sums of step times can overshoot e2e by an ulp.
             queue_s=max(0.0, e2e - m.exec_s - stall), exec_s=m.exec_s))
@@ -444,7 +447,8 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                               "burst_reserve_jobs": spec.burst_reserve_jobs,
                               "burst_reserve_queues": spec.burst_reserve_queues,
                               "eviction_amortization": spec.eviction_amortization,
-                              "srpt_aging": spec.srpt_aging,
+                              "srpt_aging": spec.srpt_aging, "stall_guard": spec.stall_guard,
+                              "delivery_rate": spec.delivery_rate, "max_stall_ms": spec.max_stall_ms,
                               "kv_cache_blocks_given": spec.kv_cache_blocks is not None,
                               "block_size": spec.block_size, "starvation_limit_s": spec.starvation_limit_s,
                               "mlfq_quantum_ratio": spec.mlfq_quantum_ratio,

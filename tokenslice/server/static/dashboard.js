@@ -40,7 +40,9 @@ const motion = () => !window.matchMedia("(prefers-reduced-motion: reduce)").matc
 function chipTitle(r) {
   return `${r.id}${r.user ? " · " + r.user : ""} · ${r.state} · ${r.output_tokens} tokens out` +
     (r.predicted_output_tokens != null ? ` (predicted ${r.predicted_output_tokens})` : "") +
-    ` · ${r.preemptions} preemptions · ${r.swaps} swaps`;
+    ` · ${r.preemptions} preemptions · ${r.swaps} swaps` +
+    (r.slack_s != null ? ` · slack ${r.slack_s.toFixed(2)} s${r.protected ? " (protected)" : ""}` : "") +
+    (r.stall_s ? ` · reader waited ${r.stall_s.toFixed(2)} s` : "");
 }
 
 // The chip of `r`, made on first sight; a state change recolours it (a CSS transition) and a
