@@ -25,6 +25,7 @@ def serve_app_from_args(a: argparse.Namespace) -> Any:
     """The FastAPI app `serve` runs (tests start it the same way). With --engine-process (the
     default) the engine core starts here, in its own process, and is ready when this returns."""
     from tokenslice.server.app import create_app
+    from tokenslice.server.identity import load_keyring
 
     if a.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
@@ -35,6 +36,12 @@ def serve_app_from_args(a: argparse.Namespace) -> Any:
                               max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes,
                               engine_process=a.engine_process)
     config = serve_engine_config(a)
+    # --api-keys: who each key is (server/identity.py); vtc then weighs tenants as the file says.
+    settings.api_keys, settings.metrics_require_key = a.api_keys, a.metrics_require_key
+    keyring = load_keyring(settings.api_keys, settings.api_key)
+    if settings.metrics_require_key and not keyring.required:
+        raise ValueError("--metrics-require-key needs --api-key or --api-keys")
+    config.scheduler.tenant_weights = keyring.tenant_weights()
     engine: Any
     if settings.engine_process:
         from tokenslice.engine.core_client import EngineCoreClient
@@ -110,6 +117,12 @@ def add_subcommand(sub: Any) -> None:
     s.add_argument("--api-key", default=os.environ.get("TOKENSLICE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $TOKENSLICE_API_KEY); "
                         "/health and /metrics stay open")
+    s.add_argument("--api-keys", metavar="FILE", default=None,
+                   help="tenants and their API keys (TOML, or JSON if FILE ends in .json): each tenant's vtc "
+                        "weight, allowed priority range, limits (max_in_flight, tokens_per_minute) and admin "
+                        "flag; a tenant sees and re-prioritises only its own requests (README: API keys)")
+    add_field_flag(s, ServerSettings, "metrics_require_key",
+                   help="/metrics needs an admin key (an --api-keys admin, or --api-key)")
     s.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     add_field_flag(s, ServerSettings, "max_waiting",
                    help="requests allowed to wait for their first token; more get 429 with Retry-After")

@@ -1,6 +1,6 @@
 """Fairness policies (FastSwitch's setting): `priority`, an external priority that may change
-while a request lives, and `vtc`, the Virtual Token Counter's per-user fair share (Sheng et al.,
-OSDI'24 "Fairness in Serving Large Language Models")."""
+while a request lives, and `vtc`, the Virtual Token Counter's fair share (Sheng et al., OSDI'24
+"Fairness in Serving Large Language Models"), per tenant and, within a tenant, per user."""
 from __future__ import annotations
 
 import heapq
@@ -52,23 +52,70 @@ class PriorityPolicy(LiveSetPolicy):
         return {"kind": "priority", "classes": classes}
 
 
-class VTCPolicy(Policy):
-    """Virtual Token Counter (Sheng et al. §4, Algorithm 2), preemptive at token granularity.
+class _Ledger:
+    """One level of VTC's counters (tenants, or one tenant's users): each member's service so far,
+    divided by its share, and the set of active members (with live requests)."""
 
-    Each user has a counter of the service it received: input tokens x w_in + output tokens x
-    w_out, divided by its share. The ranking repeats VTC's selection loop: take the next request
-    (arrival order) of the user with the least counter, add the service that request would get
-    in this step to a copy of the counter, pick again; so a batch mixes users in proportion and
-    stays stable while their counters rise together. A user that becomes active is lifted to the
-    least counter among active users (§4.1: idling banks no credit). Recomputing dropped KV is
-    the server's overhead and charges nothing: only first-time prompt tokens and sampled tokens
-    count, as in the paper's definition of service.
+    def __init__(self, shares: dict[str, float]) -> None:
+        self.shares = shares
+        self.counters: dict[str | None, float] = {}
+        self.active: set[str | None] = set()
+
+    def share(self, member: str | None) -> float:
+        return self.shares.get(member, 1.0) if member is not None else 1.0
+
+    def join(self, member: str | None) -> None:
+        """`member` becomes active: lifted to the least active counter (VTC §4.1: idling banks no credit)."""
+        own = self.counters.get(member, 0.0)
+        self.counters[member] = max(own, min(self.counters[m] for m in self.active)) if self.active else own
+        self.active.add(member)
+
+    def leave(self, member: str | None) -> None:
+        self.active.discard(member)
+        if not self.active:
+            # Idle: everyone got what they asked for, so nobody's past service counts against
+            # them any more (as virtual time restarts in fair queueing); also bounds the table.
+            self.counters.clear()
+        elif self.counters[member] <= min(self.counters[m] for m in self.active):
+            # The least active counter never falls while anyone is active, so a return would
+            # lift this member at least to where it is: forgetting it changes nothing.
+            del self.counters[member]
+
+    def charge(self, member: str | None, input_service: float, output_unit: float, outputs: int) -> None:
+        share = self.share(member)
+        c = self.counters[member]
+        if input_service:
+            c += input_service / share
+        unit = output_unit / share
+        # One addition per token, so a run of steps charged at once (fast-forward) adds exactly
+        # what step-by-step charging adds.
+        for _ in range(outputs):
+            c += unit
+        self.counters[member] = c
+
+
+class VTCPolicy(Policy):
+    """Virtual Token Counter (Sheng et al. §4, Algorithm 2), preemptive at token granularity, in
+    two levels: tenants (`serve --api-keys`), then each tenant's users (the OpenAI `user`).
+
+    Each tenant has a counter of the service it received: input tokens x w_in + output tokens x
+    w_out, divided by its weight (tenant_weights); within a tenant, each user has one too, divided
+    by its share (vtc_weights). The ranking repeats VTC's selection loop at both levels: the tenant
+    with the least counter, then its user with the least counter, then that user's next request
+    (arrival order); the service that request would get in this step is added to copies of both
+    counters, and the loop picks again. So a tenant's share of the batch does not grow with the
+    number of `user` values it sends: those only divide its own share (hierarchical fair
+    queueing). Without tenants (every request's tenant is None) this is the paper's per-user VTC.
+    A member that becomes active is lifted to the least counter among active members at its
+    level (§4.1: idling banks no credit). Recomputing dropped KV is the server's overhead and
+    charges nothing: only first-time prompt tokens and sampled tokens count, as in the paper's
+    definition of service.
 
     Fairness (§4.2, Theorem 4.4's setting): with two users that each keep at least max_batch_size
     live requests, memory ample and max_tokens_per_step covering the batch's chunks, the batch is
     exactly the selection loop's, so their counters never differ by more than one request's
     service in one step, and their services over any interval by at most twice that
-    (tests/test_fair.py checks it)."""
+    (tests/test_fair.py checks it); the same holds between tenants."""
 
     name = "vtc"
 
@@ -77,49 +124,58 @@ class VTCPolicy(Policy):
         self.ctx = ctx
         self.w_in = cfg.vtc_input_weight
         self.w_out = cfg.vtc_output_weight
-        self.shares = parse_vtc_weights(cfg.vtc_weights)
-        self.counters: dict[str | None, float] = {}
-        self._live: dict[str | None, dict[str, Request]] = {}  # per active user, arrival order
+        self.user_shares = parse_vtc_weights(cfg.vtc_weights)
+        self.tenants = _Ledger(parse_vtc_weights(cfg.tenant_weights, "tenant_weights"))
+        self.users: dict[str | None, _Ledger] = {}  # per tenant with live requests
+        # Per active tenant, per active user, its live requests in arrival order.
+        self._live: dict[str | None, dict[str | None, dict[str, Request]]] = {}
         self._seq: dict[str, int] = {}
         self._order = itertools.count()
         # Service already charged per request: prompt tokens (high-water mark) and output tokens.
         self._charged: dict[str, tuple[int, int]] = {}
 
+    @property
+    def counters(self) -> dict[str | None, float]:
+        """The users' counters of the requests without a tenant (all of them without --api-keys)."""
+        ledger = self.users.get(None)
+        return ledger.counters if ledger is not None else {}
+
     def share(self, user: str | None) -> float:
-        return self.shares.get(user, 1.0) if user is not None else 1.0
+        return self.user_shares.get(user, 1.0) if user is not None else 1.0
 
     # ---- membership ---------------------------------------------------------------------------
     def on_arrival(self, req: Request, now: float) -> None:
-        user = req.user
-        queue = self._live.get(user)
-        if queue is None:  # the user becomes active: lift it (VTC §4.1)
-            active = [self.counters[u] for u in self._live]
-            own = self.counters.get(user, 0.0)
-            self.counters[user] = max(own, min(active)) if active else own
-            queue = self._live[user] = {}
+        tenant, user = req.tenant, req.user
+        users = self._live.get(tenant)
+        if users is None:
+            self.tenants.join(tenant)
+            users = self._live[tenant] = {}
+            self.users.setdefault(tenant, _Ledger(self.user_shares))
+        queue = users.get(user)
+        if queue is None:
+            self.users[tenant].join(user)
+            queue = users[user] = {}
         queue[req.request_id] = req
         self._seq[req.request_id] = next(self._order)
         self._charged[req.request_id] = (0, 0)
 
     def on_finish(self, req: Request) -> None:
-        rid, user = req.request_id, req.user
+        rid, tenant, user = req.request_id, req.tenant, req.user
         if rid not in self._charged:
             return
         self._charge(req)  # the finishing step's service: update() finishes before on_step
         del self._charged[rid], self._seq[rid]
-        queue = self._live[user]
+        users = self._live[tenant]
+        queue = users[user]
         del queue[rid]
         if queue:
             return
-        del self._live[user]
-        if not self._live:
-            # Idle: everyone got what they asked for, so nobody's past service counts against
-            # them any more (as virtual time restarts in fair queueing); also bounds the table.
-            self.counters.clear()
-        elif self.counters[user] <= min(self.counters[u] for u in self._live):
-            # The least active counter never falls while anyone is active, so a return would
-            # lift this user at least to where it is: forgetting it changes nothing.
-            del self.counters[user]
+        del users[user]
+        self.users[tenant].leave(user)
+        if users:
+            return
+        del self._live[tenant], self.users[tenant]  # its users' counters restart with it
+        self.tenants.leave(tenant)
 
     # ---- charging -----------------------------------------------------------------------------
     def _charge(self, req: Request) -> None:
@@ -131,16 +187,9 @@ class VTCPolicy(Policy):
         if not new_in and not new_out:
             return
         self._charged[rid] = (max(prompt, prompt_done), req.num_output_tokens)
-        share = self.share(req.user)
-        c = self.counters[req.user]
-        if new_in:
-            c += self.w_in * new_in / share
-        unit = self.w_out / share
-        # One addition per token, so a run of steps charged at once (fast-forward) adds exactly
-        # what step-by-step charging adds.
-        for _ in range(new_out):
-            c += unit
-        self.counters[req.user] = c
+        input_service = self.w_in * new_in
+        self.tenants.charge(req.tenant, input_service, self.w_out, new_out)
+        self.users[req.tenant].charge(req.user, input_service, self.w_out, new_out)
 
     def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
         for req in ran:
@@ -151,19 +200,27 @@ class VTCPolicy(Policy):
         """Counters move every step, but when the batch holds every live request the batch
         cannot change before an arrival or a finish (which end a fast-forward anyway); otherwise
         no bound is computed and nothing repeats."""
-        live = sum(len(q) for q in self._live.values())
-        return len(ends) if len(ran) == live else 1
+        return len(ends) if len(ran) == len(self._seq) else 1
 
     def describe_queues(self) -> dict[str, Any]:
-        """Active users, least counter (next served) first, each with its requests in arrival order."""
-        users = sorted(self._live.items(), key=lambda kv: self.counters[kv[0]])
-        return {"kind": "vtc", "users": [{"user": u, "counter": self.counters[u], "share": self.share(u),
-                                          "requests": list(queue)} for u, queue in users]}
+        """Active tenants, least counter (next served) first, and within each its active users,
+        least counter first, each with its requests in arrival order. `users` lists the users of
+        every tenant in that order, each naming its tenant."""
+        tenants = sorted(self._live, key=lambda t: self.tenants.counters[t])
+        users = []
+        for t in tenants:
+            ledger = self.users[t]
+            for u in sorted(self._live[t], key=lambda u: ledger.counters[u]):
+                users.append({"user": u, "tenant": t, "counter": ledger.counters[u], "share": ledger.share(u),
+                              "requests": list(self._live[t][u])})
+        return {"kind": "vtc", "users": users,
+                "tenants": [{"tenant": t, "counter": self.tenants.counters[t], "share": self.tenants.share(t)}
+                            for t in tenants]}
 
     # ---- order --------------------------------------------------------------------------------
     def _step_service(self, req: Request, budget: int) -> tuple[float, int]:
-        """Service `req` would be charged for running next with `budget` step tokens left (the
-        scheduler's chunking), and the tokens it would take."""
+        """Service (weighted tokens, before any share) `req` would be charged for running next
+        with `budget` step tokens left (the scheduler's chunking), and the tokens it would take."""
         computed = req.num_computed_tokens
         left = req.num_tokens - computed
         chunk = min(left, budget) if budget > 0 else left
@@ -172,20 +229,31 @@ class VTCPolicy(Policy):
         service = self.w_in * new_in if new_in > 0 else 0.0
         if chunk == left:  # the chunk reaches the end: it samples a token
             service += self.w_out
-        return service / self.share(req.user), chunk
+        return service, chunk
 
     def ranked(self, now: float) -> Iterator[Request]:
-        heads: dict[str | None, tuple[Request, Iterator[Request]]] = {}
-        heap: list[tuple[float, int, str | None]] = []
-        for user, queue in self._live.items():
-            it = iter(queue.values())
-            head = next(it)
-            heads[user] = (head, it)
-            heap.append((self.counters[user], self._seq[head.request_id], user))
-        heapq.heapify(heap)
+        # Per tenant: its users' heap of (counter, next request's arrival, user) and their next requests.
+        inner: dict[str | None, tuple[list[tuple[float, int, str | None]],
+                                      dict[str | None, tuple[Request, Iterator[Request]]]]] = {}
+        outer: list[tuple[float, int, str | None]] = []
+        for tenant, users in self._live.items():
+            heap: list[tuple[float, int, str | None]] = []
+            heads: dict[str | None, tuple[Request, Iterator[Request]]] = {}
+            counters = self.users[tenant].counters
+            for user, queue in users.items():
+                it = iter(queue.values())
+                head = next(it)
+                heads[user] = (head, it)
+                heap.append((counters[user], self._seq[head.request_id], user))
+            heapq.heapify(heap)
+            inner[tenant] = (heap, heads)
+            outer.append((self.tenants.counters[tenant], heap[0][1], tenant))
+        heapq.heapify(outer)
         slots, budget = self.ctx.max_batch_size, self.ctx.config.max_tokens_per_step
-        while heap:
-            counter, _, user = heapq.heappop(heap)
+        while outer:
+            tenant_counter, _, tenant = heapq.heappop(outer)
+            heap, heads = inner[tenant]
+            user_counter, _, user = heapq.heappop(heap)
             req, it = heads[user]
             yield req
             if slots > 0 and budget > 0:
@@ -197,4 +265,6 @@ class VTCPolicy(Policy):
             nxt = next(it, None)
             if nxt is not None:
                 heads[user] = (nxt, it)
-                heapq.heappush(heap, (counter + service, self._seq[nxt.request_id], user))
+                heapq.heappush(heap, (user_counter + service / self.share(user), self._seq[nxt.request_id], user))
+            if heap:
+                heapq.heappush(outer, (tenant_counter + service / self.tenants.share(tenant), heap[0][1], tenant))

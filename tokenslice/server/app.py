@@ -8,7 +8,8 @@ GET /version, GET /metrics (server/routes.py), and the live view's page GET /das
 "code"}}` (server/errors.py).
 /v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` when an API key is set;
 /health, /ping, /version, /metrics and /dashboard (a page without data) stay open so that
-probes and scrapers need no secret (server/middleware.py).
+probes and scrapers need no secret (server/middleware.py); --metrics-require-key closes /metrics
+to all but admin keys. With --api-keys each key stands for a tenant (server/identity.py).
 
 One log line per generation request (id, tokens, finish reason, latency); prompt and output
 text are never logged.
@@ -67,5 +68,6 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     # Added last = outermost: the key is checked before any body is read.
     app.add_middleware(UnexpectedErrorMiddleware, handler=unexpected)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=server.metrics.reject)
-    app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, on_reject=server.metrics.reject)
+    app.add_middleware(APIKeyMiddleware, keyring=server.keyring, on_reject=server.metrics.reject,
+                       metrics_require_key=settings.metrics_require_key)
     return app

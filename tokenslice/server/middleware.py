@@ -1,9 +1,9 @@
-"""The app's ASGI middlewares: the API key, the body limit, and the 500 for unexpected errors.
+"""The app's ASGI middlewares: the API key (and its tenant), the body limit, and the 500 for
+unexpected errors.
 
 Pure ASGI: BaseHTTPMiddleware would break the handlers' disconnect detection."""
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 
 from fastapi import Request
@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenslice.server.errors import error_response
+from tokenslice.server.identity import Keyring
 
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # of an oversized body, read and dropped before the 413
 # Besides /v1/*, the routes that need the API key: they spend tokenizer time on the caller's text.
@@ -18,28 +19,40 @@ KEYED_PATHS = ("/tokenize", "/detokenize")
 
 
 class APIKeyMiddleware:
-    """401 on /v1/* and KEYED_PATHS without `Authorization: Bearer <key>`; other paths stay open.
-    The scheme is case-insensitive (RFC 7235 §2.1)."""
+    """401 on /v1/* and KEYED_PATHS (and /metrics with `metrics_require_key`) without
+    `Authorization: Bearer <key>` of a known key; other paths stay open. The scheme is
+    case-insensitive (RFC 7235 §2.1). The key's tenant goes on the request's state (`tenant`,
+    server/identity.py); /metrics then needs an admin key (403 for others)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, on_reject: Callable[[int], None]) -> None:
+    def __init__(self, app: ASGIApp, keyring: Keyring, on_reject: Callable[[int], None],
+                 metrics_require_key: bool = False) -> None:
         self.app = app
-        self.expected = api_key.encode() if api_key else None
+        self.keyring = keyring
         self.on_reject = on_reject
+        self.metrics_require_key = metrics_require_key
+
+    def _keyed(self, path: str) -> bool:
+        return (path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS
+                or (self.metrics_require_key and path == "/metrics"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if (self.expected is None or scope["type"] != "http"
-                or not (path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS)):
+        if not self.keyring.required or scope["type"] != "http" or not self._keyed(path):
             await self.app(scope, receive, send)
             return
         scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        # compare_digest takes constant time: no key guessing by timing.
-        if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.expected):
+        tenant = self.keyring.identify(given.strip()) if scheme.lower() == b"bearer" else None
+        if tenant is None:
+            self.on_reject(401)
+            resp = error_response(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
+                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        elif path == "/metrics" and not tenant.admin:
+            self.on_reject(403)
+            resp = error_response(403, "/metrics needs an admin API key", code="permission_denied")
+        else:
+            scope.setdefault("state", {})["tenant"] = tenant
             await self.app(scope, receive, send)
             return
-        self.on_reject(401)
-        resp = error_response(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         await resp(scope, receive, send)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
@@ -14,12 +14,14 @@ from starlette.concurrency import run_in_threadpool
 from tokenslice.engine.protocol import EngineDeadError, EngineFaultError
 from tokenslice.request import InvalidRequestError
 from tokenslice.server.errors import APIError, engine_fault, engine_unavailable
+from tokenslice.server.identity import Tenant, tenant_of
 from tokenslice.server.openapi import error_docs
 from tokenslice.server.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
                                         PriorityResponse, PriorityUpdate, TokenizeRequest, TokenizeResponse,
                                         VersionResponse)
 from tokenslice.server.serving import Server
 from tokenslice.server.state import encode as encode_state
+from tokenslice.server.state import visible_state
 
 log = logging.getLogger("tokenslice.server")
 
@@ -36,8 +38,8 @@ def add_v1_routes(v1: APIRouter, server: Server) -> None:
 
     @v1.post("/requests/{request_id}/priority", response_model=PriorityResponse,
              responses={404: {"model": ErrorResponse, "description": "No such live request"}})
-    async def set_priority(request_id: str, body: PriorityUpdate) -> PriorityResponse:
-        return await set_request_priority(server, request_id, body)
+    async def set_priority(request_id: str, body: PriorityUpdate, request: Request) -> PriorityResponse:
+        return await set_request_priority(server, request_id, body, tenant_of(request.state))
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -51,16 +53,17 @@ def add_v1_routes(v1: APIRouter, server: Server) -> None:
         return model_card(server)
 
     @v1.get("/state", responses={200: {"description": "The scheduler's state for the live view (/dashboard)"}})
-    async def state() -> Response:
+    async def state(request: Request) -> Response:
         try:
-            return Response(encode_state(await server.state.get()), media_type="application/json")
+            view = visible_state(await server.state.get(), tenant_of(request.state))
+            return Response(encode_state(view), media_type="application/json")
         except (EngineDeadError, EngineFaultError) as e:
             raise APIError(503, str(e), "server_error") from None
 
     @v1.get("/state/stream", response_class=StreamingResponse,
             responses={200: {"description": "The state as server-sent events, a few a second"}})
-    async def state_stream() -> StreamingResponse:
-        return StreamingResponse(server.state.stream(), media_type="text/event-stream",
+    async def state_stream(request: Request) -> StreamingResponse:
+        return StreamingResponse(server.state.stream(tenant_of(request.state)), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
 
@@ -95,10 +98,14 @@ def add_utility_routes(app: FastAPI, server: Server) -> None:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-async def set_request_priority(server: Server, request_id: str, body: PriorityUpdate) -> PriorityResponse:
-    """A live request's new priority, applied before the next step (FastSwitch)."""
+async def set_request_priority(server: Server, request_id: str, body: PriorityUpdate,
+                               tenant: Tenant) -> PriorityResponse:
+    """A live request's new priority, applied before the next step (FastSwitch): clamped into
+    the caller's range; a tenant may change only its own requests, an admin any."""
+    priority = server.priority_for(tenant, body.priority)
     try:
-        live = await server.async_engine.set_priority(request_id, body.priority)
+        live = tenant.admin or server.tenants.owns(tenant, request_id)
+        live = live and await server.async_engine.set_priority(request_id, priority)
     except InvalidRequestError as e:
         raise APIError(400, str(e), param=e.param) from None
     except EngineDeadError:
@@ -106,10 +113,10 @@ async def set_request_priority(server: Server, request_id: str, body: PriorityUp
     except EngineFaultError as e:
         raise engine_fault(request_id, e) from None
     if not live:
-        raise APIError(404, f"no live request {request_id!r}: it finished, was aborted or never existed",
-                       code="request_not_found")
-    log.info("%s priority=%d", request_id, body.priority)
-    return PriorityResponse(id=request_id, priority=body.priority)
+        raise APIError(404, f"no live request {request_id!r}: it finished, was aborted, never existed or is "
+                            "another API key's", code="request_not_found")
+    log.info("%s priority=%d", request_id, priority)
+    return PriorityResponse(id=request_id, priority=priority)
 
 
 def model_card(server: Server) -> ModelCard:

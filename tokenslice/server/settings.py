@@ -9,6 +9,8 @@ from dataclasses import dataclass
 class ServerSettings:
     served_model_name: str
     api_key: str | None = None
+    api_keys: str | None = None  # --api-keys FILE: tenants and their keys (server/identity.py)
+    metrics_require_key: bool = False  # /metrics needs an admin key (or the single --api-key)
     max_waiting: int = 1024  # requests admitted but without a first token; more get 429
     max_body_bytes: int = 4 * 1024 * 1024
     retry_after_s: int = 1

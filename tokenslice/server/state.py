@@ -6,6 +6,10 @@ TTFT/TBT percentiles, and counts of requests by state.
 One producer however many viewers: a snapshot is asked of the engine at most every
 `min_interval_s`, only when someone asks, and every viewer shares it, so the engine's cost is
 bounded by the rate, not by the number of viewers. Ids, users and counts only, never text.
+
+A tenant that is not an admin (`serve --api-keys`, server/identity.py) sees only its own
+requests: their ids, users and queue places; other tenants' ids and users are left out, while
+the aggregate numbers (counts by state, KV pools, latency, swap traffic) stay whole.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import msgspec
 
 from tokenslice.engine.protocol import EngineClient, EngineDeadError, EngineFaultError
 from tokenslice.sched.snapshot import REQUEST_STATES
+from tokenslice.server.identity import Tenant
 from tokenslice.server.latency_window import WINDOW_S
 from tokenslice.server.metrics import ServerMetrics
 
@@ -45,7 +50,9 @@ class StateHub:
         self._latest: dict[str, Any] | None = None
         self._taken_at = -math.inf
         self._pending: asyncio.Future[dict[str, Any]] | None = None
-        self._event: tuple[int, str] = (0, "")  # (seq, SSE event): encoded once for every viewer
+        # Per view (None: the whole state; else a tenant's), (seq, SSE event): encoded once for
+        # every viewer of that view.
+        self._events: dict[str | None, tuple[int, str]] = {}
         # (monotonic time, swap out bytes, swap in bytes, swap ops): one sample per snapshot.
         self._swap: deque[tuple[float, int, int, int]] = deque()
 
@@ -94,14 +101,17 @@ class StateHub:
         return {"window_s": round(last[0] - first[0], 3), "out_bytes": last[1] - first[1],
                 "in_bytes": last[2] - first[2], "ops": last[3] - first[3], "series": series}
 
-    def _encoded(self, state: dict[str, Any]) -> str:
-        if self._event[0] != state["seq"]:
-            self._event = (state["seq"], f"data: {encode(state).decode()}\n\n")
-        return self._event[1]
+    def _encoded(self, state: dict[str, Any], tenant: Tenant) -> str:
+        view = None if tenant.admin else tenant.name
+        seq, event = self._events.get(view, (-1, ""))
+        if seq != state["seq"]:
+            event = f"data: {encode(visible_state(state, tenant)).decode()}\n\n"
+            self._events[view] = (state["seq"], event)
+        return event
 
-    async def stream(self) -> AsyncIterator[str]:
-        """Server-sent events: one `data:` line per new snapshot, every `min_interval_s` at most,
-        until the client leaves (the response is cancelled)."""
+    async def stream(self, tenant: Tenant) -> AsyncIterator[str]:
+        """Server-sent events: one `data:` line per new snapshot (as `tenant` may see it), every
+        `min_interval_s` at most, until the client leaves (the response is cancelled)."""
         self.viewers += 1
         try:
             last_sent, last_beat = -1, time.monotonic()
@@ -113,7 +123,7 @@ class StateHub:
                     return
                 if state["seq"] != last_sent:
                     last_sent, last_beat = state["seq"], time.monotonic()
-                    yield self._encoded(state)
+                    yield self._encoded(state, tenant)
                 elif time.monotonic() - last_beat > SSE_KEEPALIVE_S:
                     last_beat = time.monotonic()
                     yield ": keepalive\n\n"
@@ -122,4 +132,38 @@ class StateHub:
             self.viewers -= 1
 
 
-__all__ = ["StateHub", "MIN_INTERVAL_S", "encode"]
+def visible_state(state: dict[str, Any], tenant: Tenant) -> dict[str, Any]:
+    """The state as `tenant` may see it: all of it for an admin; else without other tenants'
+    request ids and users (see the module doc)."""
+    if tenant.admin:
+        return state
+    foreign = {r["id"] for r in state["requests"] if r.get("tenant") != tenant.name}
+    return {**state, "requests": [r for r in state["requests"] if r["id"] not in foreign],
+            "queues": _own(state["queues"], foreign, tenant.name),
+            "kv": {**state["kv"], "owners": {rid: v for rid, v in state["kv"]["owners"].items() if rid not in foreign}}}
+
+
+def _own(node: Any, foreign: set[str], name: str | None) -> Any:
+    """A policy's queues (Policy.describe_queues) without the requests in `foreign`: ids, entries
+    with such an `id`, entries of other tenants, and groups (a user's, a priority class) left
+    empty by the filter; an MLFQ level stays, empty."""
+    if isinstance(node, dict):
+        return {k: _own(v, foreign, name) for k, v in node.items()}
+    if not isinstance(node, list):
+        return node
+    out = []
+    for item in node:
+        if isinstance(item, str) and item in foreign:
+            continue
+        if isinstance(item, dict):
+            if item.get("id") in foreign or ("tenant" in item and item["tenant"] != name):
+                continue
+            kept = _own(item, foreign, name)
+            if item.get("requests") and not kept["requests"] and "level" not in item:
+                continue
+            item = kept
+        out.append(item)
+    return out
+
+
+__all__ = ["StateHub", "MIN_INTERVAL_S", "encode", "visible_state"]

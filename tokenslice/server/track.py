@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from tokenslice.server.choices import Choice
+from tokenslice.server.identity import OPERATOR, Tenant, tenant_of
 from tokenslice.server.protocol import UsageInfo
 
 log = logging.getLogger("tokenslice.server")
@@ -28,6 +29,7 @@ class Track:
     completion_tokens: int = 0
     finish_reason: str | None = None
     outcome: str = "ok"
+    tenant: Tenant = OPERATOR  # who sent it: its API key's tenant (server/identity.py)
 
     def account(self, choices: list[Choice]) -> None:
         """Usage of all choices: each prompt counted once (set at submission), every generated token."""
@@ -50,5 +52,6 @@ class Track:
 def new_track(request: Request, prefix: str, route: str) -> Track:
     """A new request id (`{prefix}-{hex}`) and its track, left on the request for the error handlers."""
     track = Track(f"{prefix}-{uuid.uuid4().hex}", route, time.monotonic())
+    track.tenant = tenant_of(request.state)
     request.state.track = track  # the error handlers log with it
     return track
