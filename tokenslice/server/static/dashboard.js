@@ -20,7 +20,7 @@ function lanesOf(queues) {
   switch (queues.kind) {
     case "mlfq": return queues.queues.map((q) => ({ key: `q${q.level}`, name: `Q${q.level} · quantum ${q.quantum_s.toPrecision(3)} s`, ids: ids(q.requests) }));
     case "priority": return queues.classes.map((c) => ({ key: `p${c.priority}`, name: `priority ${c.priority}`, ids: ids(c.requests) }));
-    case "vtc": return queues.users.map((u) => ({ key: `u${u.user}`, name: `user ${u.user} · counter ${Math.round(u.counter)}`, ids: ids(u.requests) }));
+    case "vtc": return queues.users.map((u) => ({ key: `u${u.tenant}/${u.user}`, name: `${u.tenant ? "tenant " + u.tenant + " · " : ""}user ${u.user} · counter ${Math.round(u.counter)}`, ids: ids(u.requests) }));
     case "request-level": return [{ key: "batch", name: "batch", ids: ids(queues.batch) }, { key: "order", name: "waiting for the batch", ids: ids(queues.order) }];
     case "srpt": return [{ key: "order", name: "by predicted remaining time", ids: ids(queues.order) }];
     case "sorted": return [{ key: "order", name: `by ${queues.key.replace(/_/g, " ")}`, ids: ids(queues.order) }];
