@@ -9,7 +9,6 @@ import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import fields
 from pathlib import Path
 
 import httpx
@@ -47,10 +46,9 @@ tokens_per_minute = 300
 key_sha256 = ["{hashlib.sha256(OPS_KEY.encode()).hexdigest()}"]
 admin = true
 """
-# The stall guard (sched/stall_guard.py, where present) protects started streams one by one,
-# whoever sent them; off here, so that these tests see the policies' own order.
-GUARD_OFF = {"stall_guard": "off"} if any(f.name == "stall_guard" for f in fields(SchedulerConfig)) else {}
-GUARD_FLAGS = [f"--{k.replace('_', '-')}" for k in GUARD_OFF] + list(GUARD_OFF.values())
+# The stall guard (sched/stall_guard.py) protects started streams one by one, whoever sent them
+# (benchmarks/scheduling/sybil_sim.py); off here, so that these tests see the policies' own order.
+GUARD_FLAGS = ["--stall-guard", "off"]
 HTTP_TIMEOUT_S = 60.0  # failure deadlines, not performance checks
 
 
@@ -200,7 +198,7 @@ COST = load_cost_model("opt-13b@a100-40gb")
 def victim_window(tenants: bool, attacker_ids: int, weights: str | None = None) -> tuple[int, int]:
     """48 attacker requests on `attacker_ids` users, then one victim request of 32 tokens, 2 slots:
     (steps from the victim's arrival to its end, attacker tokens in them)."""
-    eng = simulated_engine(SchedulerConfig(policy="vtc", max_batch_size=2, tenant_weights=weights, **GUARD_OFF),
+    eng = simulated_engine(SchedulerConfig(policy="vtc", max_batch_size=2, tenant_weights=weights, stall_guard="off"),
                            COST, kv_cache_blocks=100_000)
     for i in range(48):
         eng.add(EngineRequest(f"a{i}", [0] * 8, SamplingParams(max_tokens=400, ignore_eos=True),
