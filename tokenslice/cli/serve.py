@@ -12,6 +12,10 @@ from tokenslice.config import CpuConfig, EngineConfig
 from tokenslice.model.known_models import served_model_name
 from tokenslice.server.settings import ServerSettings
 
+# After the engine's death, open connections get this long to finish (their streams already
+# got their error) before the server stops: `serve` then exits non-zero within a few seconds.
+DEAD_ENGINE_GRACE_S = 1.0
+
 
 def serve_engine_config(a: argparse.Namespace) -> EngineConfig:
     """`serve`'s engine: the flags, with compiled decode on unless --no-compile (ModelConfig.compile)."""
@@ -99,6 +103,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         # A dead engine cannot come back: stop, and exit non-zero so that a supervisor restarts us.
         nonlocal died
         died = True
+        server.config.timeout_graceful_shutdown = DEAD_ENGINE_GRACE_S
         server.should_exit = True
 
     app.state.server.async_engine.on_dead = on_dead

@@ -5,17 +5,21 @@ detokenization never compete with the engine for one interpreter lock.
 Between steps the loop applies every queued message (adds, aborts, priority updates), so an
 abort frees its KV before the next step; the replies to adds and priority updates go out at
 once, the step's outputs after the step, all requests in one message. With nothing live it
-blocks on its input instead of spinning, and exits when the API server that started it is gone.
+blocks on its input instead of spinning, checking its rank workers meanwhile (a dead one ends
+the core at once, not at the next request), and exits when the API server that started it is
+gone (exec/parent_watch.py).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import logging
 import os
 import signal
 import sys
 import time
+from typing import Any
 
 import msgspec
 import zmq
@@ -28,6 +32,7 @@ from tokenslice.engine.core_messages import (Abort, AddReply, AddRequest, CoreIn
                                              StateQuery, StateReply)
 from tokenslice.engine.engine import Engine
 from tokenslice.exec.base import WorkerError
+from tokenslice.exec.parent_watch import exit_with_parent
 from tokenslice.request import InvalidRequestError, RequestOutput
 
 log = logging.getLogger("tokenslice.engine.core")
@@ -35,8 +40,8 @@ log = logging.getLogger("tokenslice.engine.core")
 # Stats for /metrics ride on step outputs at most this often (and whenever the engine goes idle):
 # a scrape never needs them fresher, and copying them every step would be wasted work.
 STATS_INTERVAL_S = 0.05
-# How often an idle core checks that the API server that started it still exists.
-PARENT_CHECK_MS = 1000
+# How often an idle core checks that its rank workers still live (a death ends the server within this).
+IDLE_CHECK_MS = 200
 SEND_LINGER_MS = 2000  # a last message (Fatal, StartupFailed) gets this long to leave
 
 
@@ -49,8 +54,9 @@ def run_engine_core(config: bytes, input_address: str, output_address: str, log_
     # server decides when the core stops (a core whose API server is gone exits by itself).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exit_with_parent("tokenslice engine core")  # a core whose API server is gone has no one to serve
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parent = os.getppid()
+    log.info("engine core process %d starting", os.getpid())
     # Stay off the API server's CPUs: on CPU, compute threads that share cores with a busy
     # process stall at every parallel barrier. Workers started later (tensor parallel) inherit it.
     if cpus.pin:
@@ -85,7 +91,7 @@ def run_engine_core(config: bytes, input_address: str, output_address: str, log_
         gc.freeze()
         try:
             out.send(encoder.encode(Ready(engine_info(engine), read_stats(engine))))
-            EngineCore(engine, inp, out, parent).run()
+            EngineCore(engine, inp, out).run()
         except Exception as e:
             log.exception("engine core failed")
             out.send(encoder.encode(Fatal(f"{type(e).__name__}: {e}")))
@@ -107,6 +113,13 @@ def _refusal(e: Exception, what: str, request_id: str) -> Refusal:
     return Refusal(f"engine failed to {what}: {e}", invalid=False)
 
 
+def _compiled_decode(engine: Engine) -> dict[str, Any]:
+    """The state's compiled_decode entry (model/inductor_decode.py CompileStatus) when the model
+    runs in this process: pending while the steps are built in the background (they run eager)."""
+    runner = getattr(engine, "runner", None)
+    return {"compiled_decode": dataclasses.asdict(runner.compile_status())} if runner is not None else {}
+
+
 def _wire_output(out: RequestOutput) -> RequestOutput:
     """The output as it is sent: its metrics carry only the new tokens' times (the API server
     keeps the rest), so a step's message does not grow with each request's length."""
@@ -120,11 +133,13 @@ def _wire_output(out: RequestOutput) -> RequestOutput:
 class EngineCore:
     """The loop; the only code in this process that touches the engine."""
 
-    def __init__(self, engine: Engine, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, engine: Engine, inp: zmq.Socket, out: zmq.Socket) -> None:
         self.engine = engine
         self.inp = inp
         self.out = out
-        self.parent_pid = parent_pid
+        # Executors with rank workers (exec/multiproc.py, exec/ray_executor.py) raise WorkerError here
+        # once one is gone; the in-process one has nothing to check.
+        self.check_workers = getattr(engine.executor, "check_alive", lambda: None)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
         self.live: set[str] = set()
@@ -139,8 +154,6 @@ class EngineCore:
         while True:
             busy = self.engine.has_unfinished() or self.flush
             messages = self._receive(block=not busy)
-            if messages is None:
-                return
             reply = CoreOutput()
             for msg in messages:
                 if isinstance(msg, Shutdown):
@@ -151,12 +164,10 @@ class EngineCore:
             if self.engine.has_unfinished() or self.flush:
                 self._step()
 
-    def _receive(self, block: bool) -> list[CoreInput] | None:
-        """Every queued message (waiting for one if `block`); None once the parent is gone."""
-        while block and not self.inp.poll(PARENT_CHECK_MS):
-            if os.getppid() != self.parent_pid:
-                log.warning("the API server is gone; engine core exiting")
-                return None
+    def _receive(self, block: bool) -> list[CoreInput]:
+        """Every queued message (waiting for one if `block`); WorkerError if a rank died meanwhile."""
+        while block and not self.inp.poll(IDLE_CHECK_MS):
+            self.check_workers()
         messages = []
         while True:
             try:
@@ -187,7 +198,7 @@ class EngineCore:
             reply.priorities.append(PriorityReply(msg.call_id, live))
         elif isinstance(msg, StateQuery):
             try:
-                reply.states.append(StateReply(msg.call_id, self.engine.state()))
+                reply.states.append(StateReply(msg.call_id, {**self.engine.state(), **_compiled_decode(self.engine)}))
             except Exception as e:  # a view must never take the engine down
                 log.exception("engine failed to describe its state")
                 reply.states.append(StateReply(msg.call_id, error=f"{type(e).__name__}: {e}"))

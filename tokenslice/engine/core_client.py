@@ -9,7 +9,10 @@ stream itself and sends the core an abort, which frees the KV before the next st
 The event loop reads the core's messages from a zmq.asyncio socket; each step arrives as one
 message and is delivered to every stream in one pass. The core's death (killed, or a fatal
 fault) is seen at once through its process sentinel: every live request fails with
-EngineDeadError, `is_alive` turns false and `on_dead` is called.
+EngineDeadError, `is_alive` turns false and `on_dead` is called. Nothing here waits on the core
+without a bound: sends never block (a core that is gone cannot take a message: EngineDeadError),
+and `stop` waits for the core's exit a bounded time, then kills it. The core exits by itself
+when this process dies (exec/parent_watch.py).
 """
 from __future__ import annotations
 
@@ -44,6 +47,9 @@ log = logging.getLogger(__name__)
 
 STARTUP_POLL_MS = 200  # while the core loads its model, check this often that it is still alive
 STOP_TIMEOUT_S = 10.0  # a core that does not exit after Shutdown within this is killed
+# A core that failed (or lost a rank) is already on its way out: killed if not gone within this,
+# so that `serve` exits well within 5 s of any process's death.
+DEAD_CORE_WAIT_S = 2.0
 
 
 class EngineStartupError(RuntimeError):
@@ -107,7 +113,8 @@ class EngineCoreClient(StreamAdmission):
         log.info("engine core running in process %d", self.pid)
         self._live: dict[str, RequestStream] = {}  # requests the core runs for streams of this process
         # A stop string ends the stream here and tells the core to free the request's KV.
-        self._outputs = OutputProcessor(self.tokenizer, lambda rid: self._send(Abort([rid])), merge_metrics=True)
+        self._outputs = OutputProcessor(self.tokenizer, lambda rid: self._send_quietly(Abort([rid])),
+                                        merge_metrics=True)
         self._priority_calls: dict[int, asyncio.Future[bool]] = {}
         self._state_calls: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._call_ids = itertools.count()
@@ -148,8 +155,12 @@ class EngineCoreClient(StreamAdmission):
         if self._loop is not None:
             self._loop.remove_reader(self.process.sentinel)
         if self.process.is_alive():
-            self._send(Shutdown())
-            await asyncio.to_thread(self.process.join, STOP_TIMEOUT_S)
+            try:
+                self._send(Shutdown())
+                wait_s = DEAD_CORE_WAIT_S if self._dead else STOP_TIMEOUT_S
+            except EngineDeadError:  # it closed its input: failing, on its way out
+                wait_s = DEAD_CORE_WAIT_S
+            await asyncio.to_thread(self.process.join, wait_s)
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
@@ -174,9 +185,15 @@ class EngineCoreClient(StreamAdmission):
         stream = self._new_stream(request.request_id)
         if not self.is_alive:
             raise EngineDeadError("the engine core is not running")
+        frame = self._encode(AddRequest(request))
         self._outputs.add(request.request_id, request.prompt_token_ids, request.params)
         self._live[request.request_id] = stream
-        self._send(AddRequest(request))
+        try:
+            self._send_frame(frame)
+        except EngineDeadError:
+            self._live.pop(request.request_id, None)
+            self._outputs.forget(request.request_id)
+            raise
         return await self._accepted(stream)
 
     def abort(self, stream: RequestStream) -> None:
@@ -187,7 +204,7 @@ class EngineCoreClient(StreamAdmission):
             self._live.pop(stream.request_id, None)
             self._outputs.forget(stream.request_id)
             if self.is_alive:
-                self._send(Abort([stream.request_id]))
+                self._send_quietly(Abort([stream.request_id]))
 
     async def set_priority(self, request_id: str, priority: int) -> bool:
         """Change a live request's priority before the next step; as AsyncEngine.set_priority."""
@@ -196,8 +213,8 @@ class EngineCoreClient(StreamAdmission):
         call_id = next(self._call_ids)
         result: asyncio.Future[bool] = self._loop.create_future()
         self._priority_calls[call_id] = result
-        self._send(SetPriority(call_id, request_id, priority))
         try:
+            self._send(SetPriority(call_id, request_id, priority))
             return await result
         finally:
             self._priority_calls.pop(call_id, None)
@@ -209,14 +226,37 @@ class EngineCoreClient(StreamAdmission):
         call_id = next(self._call_ids)
         result: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         self._state_calls[call_id] = result
-        self._send(StateQuery(call_id))
         try:
+            self._send(StateQuery(call_id))
             return await result
         finally:
             self._state_calls.pop(call_id, None)
 
+    def _encode(self, msg: Any) -> bytes:
+        """The message's frame; InvalidRequestError for what the wire cannot carry (a lone surrogate,
+        an integer beyond 64 bits: server/protocol.py refuses those first, naming the field)."""
+        try:
+            return self._encoder.encode(msg)
+        except (UnicodeEncodeError, OverflowError) as e:
+            raise InvalidRequestError(f"the request cannot be sent to the engine: {e}") from None
+
     def _send(self, msg: Any) -> None:
-        self._to_core.send(self._encoder.encode(msg))
+        self._send_frame(self._encode(msg))
+
+    def _send_frame(self, frame: bytes) -> None:
+        """Never blocks: SNDHWM 0 queues without limit while the core is connected, and with no core
+        connected (it exited, or closed its input on the way out) the message could never go."""
+        try:
+            self._to_core.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError("the engine core is not taking messages") from None
+
+    def _send_quietly(self, msg: Any) -> None:
+        """A message that can be lost with the core (an abort): its death is handled where it is seen."""
+        try:
+            self._send(msg)
+        except EngineDeadError:
+            log.debug("dropped %s: the engine core is not taking messages", type(msg).__name__)
 
     # ---- core -> streams (event loop) ---------------------------------------------------------------
     async def _read(self, sock: zmq.asyncio.Socket) -> None:

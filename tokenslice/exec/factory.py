@@ -98,7 +98,8 @@ def _start_workers(config: EngineConfig, host_tier: bool) -> ModelSide:
     if par.executor == "ray":
         from tokenslice.exec.ray_executor import RayExecutor
 
-        ex: Any = RayExecutor(config.model, config.cache, par.tensor_parallel_size, address=par.ray_address, **sizes)
+        ex: Any = RayExecutor(config.model, config.cache, par.tensor_parallel_size, address=par.ray_address,
+                              dashboard=par.ray_dashboard, **sizes)
     else:
         from tokenslice.exec.multiproc import MultiprocExecutor
 

@@ -8,13 +8,13 @@ merge into one (exec/merge.py).
 
 Workers are spawned (CUDA forbids fork) and non-daemonic, so the engine itself may run in a
 child process; `close` reaps them (stop, then kill), and so does interpreter
-exit. Waiting on a worker never hangs: every wait polls with a timeout and checks that all
-workers are alive, so a dead one raises WorkerError within `poll_interval_s`.
+exit; a worker whose engine died without closing it exits by itself (exec/parent_watch.py).
+Waiting on a worker never hangs: every wait polls with a timeout and checks that all workers
+are alive, so a dead one raises WorkerError within `poll_interval_s`.
 """
 from __future__ import annotations
 
 import multiprocessing.util
-import os
 import shutil
 import tempfile
 import time
@@ -110,7 +110,7 @@ class MultiprocExecutor:
                 spec = WorkerSpec(RankSpec(model, cache, rank, self.size, max_model_len, max_batch_size, host_tier,
                                            f"file://{w.tmpdir}/rendezvous", threads, gpu=rank, pp_size=pp_size,
                                            pp_layers=pp_layers),
-                                  f"ipc://{w.tmpdir}/plans-{rank}", f"ipc://{w.tmpdir}/results", os.getpid())
+                                  f"ipc://{w.tmpdir}/plans-{rank}", f"ipc://{w.tmpdir}/results")
                 proc = mp.Process(target=worker_main, args=(spec,), name=f"tokenslice-tp{rank}", daemon=False)
                 proc.start()
                 w.procs.append(proc)
@@ -144,6 +144,11 @@ class MultiprocExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         self.submit(plan)
         return self.poll()
+
+    def check_alive(self) -> None:
+        """WorkerError if a worker has died (the idle engine calls it between requests)."""
+        self._check_usable()
+        self._check_alive()
 
     def close(self) -> None:
         """Stop and reap every worker. Idempotent."""

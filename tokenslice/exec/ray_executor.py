@@ -4,7 +4,7 @@ pipeline stages across nodes).
 
 Ray does placement, start-up, plan delivery and failure detection; the tensors go through
 torch.distributed between the actors (gloo on CPU, NCCL on CUDA), rendezvous at rank 0's node
-address on a port it picks. Each actor runs exec/worker.py's RankWorker, the code a
+address on a port it picks (on the private cluster: a file in its private directory). Each actor runs exec/worker.py's RankWorker, the code a
 multiproc worker process runs. Plans travel as actor calls carrying the msgspec bytes the
 multiproc executor sends over ZMQ: Ray already connects every node and reports a dead actor
 or node through the very call that waits for its answer, so no socket crosses nodes outside
@@ -19,13 +19,22 @@ Failure: every wait polls with a timeout; a dead actor or node (RayActorError, N
 or a rank's exception raises WorkerError naming the rank, its stage and its node, the surviving
 actors are killed (they may be stuck in a collective) and later calls raise it again. A lost
 node's actors fail their calls once their processes are gone, or at the latest once Ray's health
-checks declare the node dead.
+checks declare the node dead. An idle engine calls `check_alive`, which keeps one ping per actor
+in flight, so a death between requests ends the engine too.
+
+The private cluster (no address given) is one node on 127.0.0.1: Ray's processes (GCS, raylet,
+workers, agents) and torch.distributed's sockets listen on loopback only, its dashboard runs
+only when asked (`--ray-dashboard`, on 127.0.0.1), and its files live in a directory only this
+user can enter (Ray makes its session folders mode 0777).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import sys
+import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -33,6 +42,7 @@ from typing import Any
 
 import msgspec
 import ray
+import ray._private.ray_constants
 import ray.exceptions
 import torch
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -65,10 +75,11 @@ class RankActor:
 
     def rendezvous_address(self) -> str:
         """torch.distributed's meeting point: this node's address and a port free on it."""
+        host = ray.util.get_node_ip_address()
         with socket.socket() as sock:
-            sock.bind(("", 0))
+            sock.bind((host, 0))
             port = sock.getsockname()[1]
-        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+        return f"tcp://{host}:{port}"
 
     def start(self, spec: RankSpec) -> bytes:
         self.worker = RankWorker(spec)
@@ -95,8 +106,8 @@ class RayExecutor:
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, tp_size: int, *, max_model_len: int,
                  max_batch_size: int, host_tier: bool, pp_size: int = 1, pp_layers: tuple[int, ...] | None = None,
-                 address: str | None = None, poll_interval_s: float = 0.2, death_wait_s: float = 5.0,
-                 placement_timeout_s: float = 120.0, stop_timeout_s: float = 10.0) -> None:
+                 address: str | None = None, dashboard: bool = False, poll_interval_s: float = 0.2,
+                 death_wait_s: float = 5.0, placement_timeout_s: float = 120.0, stop_timeout_s: float = 10.0) -> None:
         self.size = tp_size * pp_size
         self.tp_size, self.pp_size = tp_size, pp_size
         self.poll_interval_s = poll_interval_s
@@ -113,13 +124,19 @@ class RayExecutor:
         self.actors: list[Any] = []  # Ray actor handles, by rank
         self.nodes: list[str] = []  # the Ray node id each rank runs on, by rank
         self._groups: list[PlacementGroup] = []
-        self._owns_ray = _connect(address, self.size)
+        self._pings: list[ray.ObjectRef] = []  # check_alive's outstanding call per actor, by rank
+        self._private_dir: str | None = None  # the private cluster's files (None: joined a cluster)
+        self._owns_ray = False
         try:
+            self._owns_ray, self._private_dir = _connect(address, self.size, dashboard)
             gpu = _uses_gpu(model)
             self._groups = _place([tp_size] * pp_size, gpu, placement_timeout_s)
-            self.actors = _start_actors(self._groups, gpu)
+            self.actors = _start_actors(self._groups, gpu, loopback=self._private_dir is not None)
             self.nodes = self._gather([a.node_id.remote() for a in self.actors])
-            init_method = self._gather([self.actors[0].rendezvous_address.remote()])[0]
+            if self._private_dir is not None:  # one node: no TCP store, nothing listens
+                init_method = f"file://{self._private_dir}/rendezvous"
+            else:
+                init_method = self._gather([self.actors[0].rendezvous_address.remote()])[0]
             threads = max(1, torch.get_num_threads() // self.size)  # one node's cores shared by its ranks
             specs = [RankSpec(model, cache, rank, self.size, max_model_len, max_batch_size, host_tier,
                               init_method, threads, gpu=0, pp_size=pp_size,
@@ -156,6 +173,21 @@ class RayExecutor:
         self.submit(plan)
         return self.poll()
 
+    def check_alive(self) -> None:
+        """WorkerError once an actor is gone (the idle engine calls it between requests): each
+        actor has one ping call in flight, collected here without waiting and then renewed."""
+        self._check_usable()
+        if not self._pings:
+            self._pings = [a.pid.remote() for a in self.actors]
+        ready, _ = ray.wait(self._pings, num_returns=len(self._pings), timeout=0)
+        for ref in ready:
+            rank = self._pings.index(ref)
+            try:
+                ray.get(ref)
+            except _GONE as e:
+                self._fail(f"{self._describe(rank)} died: {type(e).__name__}: {e}")
+            self._pings[rank] = self.actors[rank].pid.remote()
+
     def worker_pids(self) -> list[int]:
         """Each rank's actor process id (on its node)."""
         return self._gather([a.pid.remote() for a in self.actors])
@@ -173,8 +205,11 @@ class RayExecutor:
         for group in self._groups:
             remove_placement_group(group)
         self._groups = []
+        self._pings = []
         if self._owns_ray:
             ray.shutdown()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
 
     # ---- internals ------------------------------------------------------------------------------
     def _gather(self, refs: list[ray.ObjectRef]) -> list[Any]:
@@ -235,23 +270,42 @@ class RayExecutor:
         raise WorkerError(message)
 
 
-def _connect(address: str | None, workers: int) -> bool:
+def _connect(address: str | None, workers: int, dashboard: bool) -> tuple[bool, str | None]:
     """Join (address, or $RAY_ADDRESS) or start a Ray cluster unless this process already is in
-    one; True if this executor must leave it on close."""
+    one. Returns (whether this executor must leave it on close, the private cluster's directory)."""
     if ray.is_initialized():
-        return False
+        return False, None
     address = address or os.environ.get("RAY_ADDRESS")
     # ray.init sets a SIGTERM handler that exits; the engine core ignores SIGTERM (its server
     # stops it), so keep whatever this process had.
     handler = signal.getsignal(signal.SIGTERM)
+    private_dir = None
     if address:
         ray.init(address=address, logging_level="warning")
-    else:  # a private one-node cluster, with a CPU for every rank
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False,
-                 logging_level="warning")
+    else:
+        private_dir = _start_private_cluster(workers, dashboard)
     if handler is not None and signal.getsignal(signal.SIGTERM) is not handler:
         signal.signal(signal.SIGTERM, handler)
-    return True
+    return True, private_dir
+
+
+def _start_private_cluster(workers: int, dashboard: bool) -> str:
+    """A one-node cluster on 127.0.0.1 with a CPU for every rank; returns its directory (0700:
+    Ray's own folders inside are 0777, and its unix sockets live there)."""
+    private_dir = tempfile.mkdtemp(prefix="tsray-")  # short: Ray's socket paths have a length limit
+    # Ray takes the node's address from the network unless it thinks it runs on a laptop (this
+    # switch, read by get_node_ip_address only); with 127.0.0.1 its gRPC servers bind loopback.
+    clusters = ray._private.ray_constants.ENABLE_RAY_CLUSTER
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=dashboard,
+                 dashboard_host="127.0.0.1", logging_level="warning", _temp_dir=f"{private_dir}/ray")
+    except BaseException:
+        shutil.rmtree(private_dir, ignore_errors=True)
+        raise
+    finally:
+        ray._private.ray_constants.ENABLE_RAY_CLUSTER = clusters
+    return private_dir
 
 
 def _uses_gpu(model: ModelConfig) -> bool:
@@ -277,18 +331,21 @@ def _place(stage_sizes: list[int], gpu: bool, timeout_s: float) -> list[Placemen
     return groups
 
 
-def _start_actors(groups: list[PlacementGroup], gpu: bool) -> list[Any]:
+def _start_actors(groups: list[PlacementGroup], gpu: bool, loopback: bool) -> list[Any]:
     """An actor per bundle, rank order = stage order, then bundle order. The actors import the
-    engine's own tokenslice (a source checkout is not on the Ray workers' path by itself)."""
+    engine's own tokenslice (a source checkout is not on the Ray workers' path by itself); with
+    `loopback` (the private cluster, one node) gloo's and NCCL's sockets use the loopback interface."""
     root = str(Path(__file__).resolve().parents[2])  # the directory that holds this tokenslice
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    if loopback and sys.platform == "linux":
+        env.update({k: os.environ.get(k, "lo") for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")})
     actor_class = ray.remote(RankActor)
     actors = []
     for group in groups:
         for index in range(group.bundle_count):
             actors.append(actor_class.options(
                 num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, max_restarts=0, max_task_retries=0,
-                runtime_env={"env_vars": {"PYTHONPATH": path}},
+                runtime_env={"env_vars": env},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
             ).remote())
     return actors

@@ -29,6 +29,7 @@ import torch
 import zmq
 
 from tokenslice.config import CacheConfig, ModelConfig
+from tokenslice.exec.parent_watch import exit_with_parent
 from tokenslice.plan import StepPlan, StepResult
 
 if TYPE_CHECKING:
@@ -43,7 +44,9 @@ STOP = b"stop"
 READY = b"ready"  # Capacity: the model is loaded
 RESULT = b"result"  # StepResult (to INIT: an empty one)
 ERROR = b"error"  # traceback text; the worker exits
-PARENT_CHECK_MS = 1000  # how often an idle worker checks that its engine still exists
+# A result the engine does not take within this (it closed its socket: stopping, or failing) is
+# dropped, and the worker exits, rather than wait for a reader that will not come.
+RESULT_SEND_TIMEOUT_MS = 5000
 
 
 @dataclass
@@ -97,7 +100,6 @@ class WorkerSpec:
     rank: RankSpec
     plan_address: str  # this rank's ZMQ PULL endpoint
     result_address: str  # the executor's ZMQ PULL endpoint
-    parent_pid: int
 
 
 class RankWorker:
@@ -169,9 +171,11 @@ def worker_main(spec: WorkerSpec) -> None:
     # Ctrl-C and a SIGTERM to the whole process group are the engine's to handle; it stops us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exit_with_parent(f"tokenslice rank {spec.rank.rank}")  # an engine killed without stopping us
     ctx = zmq.Context()
     results = ctx.socket(zmq.PUSH)
-    results.setsockopt(zmq.LINGER, 5000)
+    results.setsockopt(zmq.LINGER, RESULT_SEND_TIMEOUT_MS)
+    results.setsockopt(zmq.SNDTIMEO, RESULT_SEND_TIMEOUT_MS)
     results.connect(spec.result_address)
     plans = ctx.socket(zmq.PULL)
     plans.setsockopt(zmq.LINGER, 0)
@@ -183,7 +187,10 @@ def worker_main(spec: WorkerSpec) -> None:
     except BaseException:  # noqa: BLE001 - reported to the engine, which raises it
         text = traceback.format_exc()
         sys.stderr.write(f"tokenslice tensor-parallel rank {spec.rank.rank}:\n{text}")
-        results.send_multipart([rank, ERROR, text.encode()])
+        try:
+            results.send_multipart([rank, ERROR, text.encode()])
+        except zmq.Again:
+            pass  # the engine is not reading: it stops or kills us anyway
         code = 1
     finally:
         plans.close()
@@ -203,10 +210,7 @@ def _serve(spec: WorkerSpec, plans: zmq.Socket, results: zmq.Socket, rank: bytes
         results.send_multipart([rank, READY, encode(worker.capacity)])
         decode_plan = msgspec.msgpack.Decoder(StepPlan).decode
         while True:
-            if not plans.poll(PARENT_CHECK_MS):
-                if os.getppid() != spec.parent_pid:  # the engine died without stopping us
-                    return
-                continue
+            # As long as the next plan takes: if the engine dies meanwhile, the parent watch ends us.
             kind, body = plans.recv_multipart()
             if kind == STOP:
                 return

@@ -50,7 +50,10 @@ def _utf8(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_utf8)]
-Int = _int()
+# Token ids: 64-bit, as the engine's wire (msgpack) and tensors carry them; the engine names ids
+# outside the vocabulary.
+Int = _int(ge=-(2**63), le=2**63 - 1)
+TokenId = _int(ge=0, le=2**63 - 1)
 PositiveInt = _int(ge=1)
 NonNegativeInt = _int(ge=0)
 TopK = _int(ge=-1)
@@ -142,7 +145,7 @@ class SamplingFields(_Strict):
                     "(if negative); 1 is off")
     min_p: float | None = Field(sampling_default("min_p"), ge=0, le=1, allow_inf_nan=False,
                                 description="drop tokens less likely than min_p x the most likely one; 0 is off")
-    stop_token_ids: list[NonNegativeInt] | None = Field(sampling_default("stop_token_ids"),
+    stop_token_ids: list[TokenId] | None = Field(sampling_default("stop_token_ids"),
                                                         description="token ids that end the output")
     include_stop_str_in_output: bool = Field(sampling_default("include_stop_str_in_output"),
                                              description="keep the stop string or stop token in the text")
@@ -154,7 +157,7 @@ class SamplingFields(_Strict):
     priority: Hint = Field(0, description="lower runs first under --policy priority; other policies "
                                           "refuse anything but 0; change it later with "
                                           "POST /v1/requests/{id}/priority")
-    user: str | None = None
+    user: Text | None = None
     tokenslice: TokensliceOptions | None = None
 
     @model_validator(mode="before")
