@@ -71,11 +71,12 @@ class Recompute:
         return self._enst
 
     def make_room(self, need: int, lower: list[Request], chosen: set[str], holds_kv: bool, plan: StepPlan,
-                  dropped: set[str], loads: bool) -> bool:
+                  dropped: set[str], loads: bool, stalling: bool = False) -> bool:
         """Free device blocks by evicting lower-ranked requests' KV, the one that will run last
         first. A request that `loads` its KV (new, recomputing or on host) may not evict a
-        protected job; one growing its resident KV may, or the pool could deadlock."""
-        if not holds_kv and not self.new_work_evicts:
+        protected job; one growing its resident KV may, or the pool could deadlock. A stream the
+        stall guard protects (`stalling`) may evict any other, in every mode: its reader waits."""
+        if not holds_kv and not self.new_work_evicts and not stalling:
             return False
         kv = self.kv
         victims = [r for r in reversed(lower) if r.request_id not in chosen and kv.holds(r.request_id)
@@ -85,7 +86,7 @@ class Recompute:
             # a long-waiting job about to be promoted ranks low but runs soon.
             enst = self.next_run_estimates()
             victims.sort(key=lambda r: enst.get(r.request_id, 0.0), reverse=True)
-        if loads:
+        if loads and not stalling:
             unprotected = [r for r in victims if not self.guard.is_protected(r.request_id)]
             if len(unprotected) < len(victims):
                 self.protection_blocked = True

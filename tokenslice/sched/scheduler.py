@@ -67,6 +67,16 @@ class Scheduler:
             self.policy.on_priority_change(req, old, now)
         return True
 
+    def refine_prediction(self, request_id: str, output_tokens: int, now: float) -> None:
+        """A new predicted total output length for a live request (the length predictor refined
+        it from the model's own state); a policy that ranks by predictions (`on_prediction`) re-ranks it."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            req.predicted_output_tokens = output_tokens
+            hook = getattr(self.policy, "on_prediction", None)
+            if hook is not None:
+                hook(req, now)
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
@@ -143,7 +153,8 @@ class Scheduler:
                 continue
             computed = req.num_computed_tokens
             holds_kv = computed > 0
-            if (admission_blocked and not holds_kv) or rid in dropped or (not holds_kv and self._follows(req)):
+            protected = self.stall_guard.is_protected(rid)  # its reader waits: no queue holds it back
+            if (admission_blocked and not holds_kv and not protected) or rid in dropped or (not holds_kv and self._follows(req)):
                 continue
             on_host = kv.residency(rid) == "host"
             loads = on_host or not holds_kv  # its KV must be loaded: prefilled, recomputed or swapped in
@@ -156,7 +167,8 @@ class Scheduler:
             if need > kv.device.num_free:
                 lower = list(it)  # everything not yet walked is lower-ranked
                 it = iter(lower)
-                if not pre.make_room(need, lower, chosen | self._in_pipeline, holds_kv, plan, dropped, loads):
+                if not pre.make_room(need, lower, chosen | self._in_pipeline, holds_kv, plan, dropped, loads,
+                                     protected):
                     admission_blocked = admission_blocked or not holds_kv
                     if hit is not None:
                         kv.detach_prefix(rid)

@@ -14,12 +14,16 @@ from tokenslice.request import Request
 
 # Steps whose longest duration sets the horizon: long enough to remember a prefill-heavy step.
 STEP_WINDOW = 32
+# At most this share of a batch is the guard's; the policy fills the rest by its own ranking, so
+# many started streams (one client's many ids, a long backlog) cannot take fairness or TTFT away.
+MAX_PROTECTED_SHARE = 0.5
 
 
 class StallGuard:
     def __init__(self, config: SchedulerConfig) -> None:
         self.timeline = config.stall_guard == "on"
         self.max_stall_s = None if config.max_stall_ms is None else config.max_stall_ms / 1000.0
+        self.max_protected = max(1, int(config.max_batch_size * MAX_PROTECTED_SHARE))
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self.protected: list[Request] = []  # of the last plan, earliest deadline first
         self._protected_ids: set[str] = set()
@@ -53,7 +57,8 @@ class StallGuard:
         self._steps.append(seconds)
 
     def begin_plan(self, requests: Iterable[Request], now: float) -> None:
-        """Which started streams must run in the next step, earliest deadline first."""
+        """Which started streams must run in the next step: earliest deadline first, at most
+        max_protected of them."""
         self.protected = []
         self._protected_ids = set()
         if not self.enabled:
@@ -65,7 +70,7 @@ class StallGuard:
             if d is not None and d <= limit:
                 due.append((d, req))
         due.sort(key=lambda x: x[0])
-        self.protected = [r for _, r in due]
+        self.protected = [r for _, r in due[:self.max_protected]]
         self._protected_ids = {r.request_id for r in self.protected}
 
     def is_protected(self, request_id: str) -> bool:
