@@ -33,6 +33,9 @@ class SeqSlice:
     # Prompt + output token ids so far, only for a sampling slice whose params need them
     # (penalties): the runner cannot rebuild them (earlier steps, prefix-cache hits, recompute).
     history_token_ids: list[int] = field(default_factory=list)
+    # Return the hidden state of this slice's last token after layer StepPlan.hidden_layer
+    # (StepResult.hidden): the length predictor's features, taken from a forward pass that runs anyway.
+    capture_hidden: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +93,7 @@ class StepPlan:
     async_transfers: list[BlockTransfer] = field(default_factory=list)
     drop: list[str] = field(default_factory=list)  # requests whose KV was discarded (recompute)
     finished: list[str] = field(default_factory=list)  # executor may forget per-request state
+    hidden_layer: int | None = None  # the layer whose output capture_hidden slices return
 
     @property
     def slices(self) -> list[SeqSlice]:
@@ -127,6 +131,10 @@ class StepResult:
     # token's, and the prompt positions of SeqSlice.prompt_logprob_targets.
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Request id -> the hidden state (float32 values, plain for any transport) of its slice's last
+    # token after StepPlan.hidden_layer, for the slices with capture_hidden; empty where the
+    # model cannot capture (an architecture without it, a pipeline stage).
+    hidden: dict[str, list[float]] = field(default_factory=dict)
     # Simulator with several plans in flight: the virtual time this result is ready (their
     # step_seconds overlap, so they cannot place it on the clock); None: ready when returned.
     done_at: float | None = None

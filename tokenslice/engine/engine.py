@@ -102,7 +102,8 @@ class Engine:
             if config.scheduler.length_predictor:
                 engine.lengths = OnlineLengthPredictor.load(
                     config.scheduler.length_predictor, side.tokenizer,
-                    store_text=config.scheduler.length_predictor_store_text)
+                    store_text=config.scheduler.length_predictor_store_text,
+                    hidden_size=side.arch.hidden_size, num_layers=side.arch.num_layers)
             return engine
         except BaseException:
             side.executor.close()
@@ -231,6 +232,8 @@ class Engine:
             self.timings.update_s += time.perf_counter() - t1
             return ran, finished
         counts = self._trace_counts()
+        if self.lengths is not None:
+            self.lengths.mark(plan)  # the states the self length head reads this step
         result = self.executor.execute(plan)
         self._executed(result)
         return self._apply(plan, result, t0, t1, counts)
@@ -264,6 +267,8 @@ class Engine:
             if self._pipe and not plan.has_work:
                 sched.keep_released(plan)
                 break
+            if self.lengths is not None:
+                self.lengths.mark(plan)
             ex.submit(plan)
             self._pipe.append(plan)
             if not plan.has_work:
@@ -290,6 +295,9 @@ class Engine:
         # its late logprobs rather than keep them forever.
         live = {rid for rid in (*result.logprobs, *result.prompt_logprobs) if rid in self.scheduler.requests}
         produced = self.scheduler.update(plan, result, now)
+        if self.lengths is not None and result.hidden:  # refined from the model's own states
+            for rid, total in self.lengths.refine(result.hidden, plan, self.scheduler.requests).items():
+                self.scheduler.refine_prediction(rid, total, now)
         for pending, new in ((self._logprobs, result.logprobs), (self._prompt_logprobs, result.prompt_logprobs)):
             for rid, lp in new.items():
                 if rid in live:

@@ -1,6 +1,8 @@
 """Llama family: Llama 2/3, Qwen2 (qkv bias), Mistral. Parameter names match HF checkpoints."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -94,7 +96,20 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.norm_eps)
 
 
+@dataclass
+class HiddenCapture:
+    """Rows of the residual stream after decoder layer `layer`, copied out during a forward pass
+    that runs anyway: the model's own features for output-length prediction (TRAIL, arXiv
+    2410.01035; predict/self_head.py)."""
+
+    layer: int
+    rows: torch.Tensor  # indices into the step's tokens
+    out: torch.Tensor | None = None  # [len(rows), hidden], filled by the forward pass
+
+
 class LlamaForCausalLM(nn.Module):
+    supports_hidden_capture = True  # forward takes `capture` (the runner checks before asking)
+
     def __init__(self, a: ArchConfig) -> None:
         super().__init__()
         self.arch = a
@@ -126,13 +141,16 @@ class LlamaForCausalLM(nn.Module):
                     getattr(mod, n).bias = None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv: torch.Tensor,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                hidden: torch.Tensor | None = None, capture: HiddenCapture | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] for the batch's new tokens; kv is the whole block pool (of
-        this stage's layers). A later pipeline stage starts from the previous stage's `hidden`."""
+        this stage's layers). A later pipeline stage starts from the previous stage's `hidden`.
+        `capture` (whole models only): some rows after one layer are copied into capture.out."""
         x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         cos, sin = self.rotary(meta.positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv[i], meta)
+            if capture is not None and i == capture.layer:
+                capture.out = x.index_select(0, capture.rows)
         return self.model.norm(x) if self.model.norm is not None else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

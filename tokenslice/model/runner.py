@@ -28,6 +28,7 @@ from tokenslice.model.attention import build_metadata, resolve_attention_backend
 from tokenslice.model.compiled_decode import CompiledDecode
 from tokenslice.model.input_batch import DecodeBatch, decode_inputs
 from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quantize_blocks, quantized_block_bytes
+from tokenslice.model.llama import HiddenCapture
 from tokenslice.model.loader import LoadedModel
 from tokenslice.model.logprobs import prompt_logprobs, token_logprobs
 from tokenslice.model.pp import StagePipe
@@ -186,7 +187,8 @@ class ModelRunner:
         # One token per slice, each sampling and no prompt logprobs (a 1-token prompt chunk also
         # counts as decode): logits of every row, nothing to select.
         every_row = not plan.prefill and all(s.sample and not s.prompt_logprob_targets for s in plan.decode)
-        if self.compiled is not None and every_row:
+        capture = self._hidden_capture(plan)
+        if self.compiled is not None and every_row and capture is None:  # compiled code returns logits only
             self.prep_seconds += time.perf_counter() - t0
             logits = self.compiled.logits(dec)
         if logits is None:
@@ -198,7 +200,11 @@ class ModelRunner:
             self.prep_seconds += time.perf_counter() - t0
             pipe = self.pipe
             before = pipe.recv(plan.num_tokens) if pipe is not None and not pipe.stage.is_first else None
-            hidden = self.model(input_ids, meta, self.kv, before)
+            if capture is None:
+                hidden = self.model(input_ids, meta, self.kv, before)
+            else:
+                hidden = self.model(input_ids, meta, self.kv, before, capture=capture)
+                self._take_hidden(plan, capture, result)
             if pipe is not None and not pipe.stage.is_last:
                 pipe.send(hidden)
                 return
@@ -234,6 +240,27 @@ class ModelRunner:
             lps = token_logprobs(raw, chosen, [sampling[i].params.logprobs or 0 for i in asks])
             for i, lp in zip(asks, lps, strict=True):
                 result.logprobs[sampling[i].request_id] = lp
+
+    def _hidden_capture(self, plan: StepPlan) -> HiddenCapture | None:
+        """What this step's forward copies out for length prediction: the last token of each
+        slice with capture_hidden, after plan.hidden_layer. None when nothing asks, or the model
+        cannot (another architecture, a pipeline stage)."""
+        if plan.hidden_layer is None or self.pipe is not None or not getattr(self.model, "supports_hidden_capture", False):
+            return None
+        rows, end = [], 0
+        for s in plan.decode + plan.prefill:  # the forward's row order
+            end += s.num_tokens
+            if s.capture_hidden:
+                rows.append(end - 1)
+        if not rows:
+            return None
+        return HiddenCapture(plan.hidden_layer, torch.tensor(rows, device=self.device))
+
+    @staticmethod
+    def _take_hidden(plan: StepPlan, capture: HiddenCapture, result: StepResult) -> None:
+        assert capture.out is not None, f"hidden layer {capture.layer} is not a layer of this model"
+        ids = [s.request_id for s in plan.decode + plan.prefill if s.capture_hidden]
+        result.hidden.update(zip(ids, capture.out.float().cpu().tolist(), strict=True))
 
     # ---- KV swapping --------------------------------------------------------------------------
     def swap(self, pairs: Sequence[tuple[int, int]], direction: Direction) -> None:
@@ -369,3 +396,15 @@ class ModelRunner:
         meta = build_metadata(plan.decode, plan.prefill, self.block_size, self.device, self.attention_backend)
         hidden = self.model(torch.tensor(ids, device=self.device), meta, self.kv)
         return self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def prompt_hidden(self, plan: StepPlan, layer: int, rows: list[int]) -> torch.Tensor:
+        """Hidden states after `layer` at `rows` of a prefill-only plan: an answer's states in one
+        pass (the length predictor's training features, as serving captures them token by token)."""
+        slices = plan.decode + plan.prefill
+        ids = [t for s in slices for t in s.token_ids]
+        meta = build_metadata(plan.decode, plan.prefill, self.block_size, self.device, self.attention_backend)
+        capture = HiddenCapture(layer, torch.tensor(rows, device=self.device))
+        self.model(torch.tensor(ids, device=self.device), meta, self.kv, capture=capture)
+        assert capture.out is not None, f"hidden layer {layer} is not a layer of this model"
+        return capture.out.float()

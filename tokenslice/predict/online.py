@@ -1,42 +1,136 @@
 """Output-length prediction as the engine uses it (ALISE §3.1): predict at arrival, learn the real
-length at finish, so the predictor keeps up with the traffic it serves."""
+length at finish, so the predictor keeps up with the traffic it serves.
+
+A predictor directory (`--length-predictor DIR`) holds an embedding predictor (predictor.json,
+predict/length.py), a self length head (self_head.npz, predict/self_head.py), or both; what it
+holds decides the kind:
+
+- embed: the prompt's sentence embedding, at arrival;
+- self: the served model's own hidden state, at the end of prefill and every k generated tokens
+  (until the prefill, the scheduler ranks the request by its fallback, the mean length so far);
+- both: the embedding at arrival, blended in log space with the head at the end of prefill; the
+  head alone refines after that.
+"""
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+from tokenslice.plan import StepPlan
+from tokenslice.predict.self_head import SELF_HEAD_FILE, SelfLengthHead
+from tokenslice.predict.self_refine import SelfRefiner
 from tokenslice.request import Request
+
+EMBED_FILE = "predictor.json"
+LENGTH_PREDICTOR_KINDS = ("embed", "self", "both")
+
+
+def predictor_kind(path: str | Path) -> str:
+    """What the directory holds: embed, self or both."""
+    path = Path(path)
+    embed, own = (path / EMBED_FILE).is_file(), (path / SELF_HEAD_FILE).is_file()
+    if not (embed or own):
+        raise FileNotFoundError(f"no length predictor in {path} (neither {EMBED_FILE} nor {SELF_HEAD_FILE}); "
+                                "build one with `tokenslice predictor build` or `predictor build-self`")
+    return "both" if embed and own else "embed" if embed else "self"
 
 
 class OnlineLengthPredictor:
-    """Wraps a predict.length.LengthPredictor with the prompt texts of the live requests."""
+    """The engine's length predictors with the live requests' prompt texts (embed) and captured
+    states (self)."""
 
-    def __init__(self, predictor: Any, tokenizer: Any) -> None:
-        self.predictor = predictor
+    def __init__(self, predictor: Any, tokenizer: Any, refiner: SelfRefiner | None = None) -> None:
+        self.predictor = predictor  # predict.length.LengthPredictor, or None (self only)
         self.tokenizer = tokenizer
+        self.refiner = refiner
         self._prompt_text: dict[str, str] = {}
 
     @classmethod
-    def load(cls, path: str, tokenizer: Any, *, store_text: bool) -> OnlineLengthPredictor:
-        from tokenslice.predict.length import LengthPredictor  # torch and faiss: only when asked for
+    def load(cls, path: str, tokenizer: Any, *, store_text: bool, hidden_size: int | None = None,
+             num_layers: int | None = None) -> OnlineLengthPredictor:
+        """The predictors in `path`; a self head must fit the served model (`hidden_size`, `num_layers`)."""
+        kind = predictor_kind(path)
+        refiner = None
+        if kind != "embed":
+            head_file = Path(path) / SELF_HEAD_FILE
+            head = SelfLengthHead.load(head_file)
+            cfg = head.config
+            if (hidden_size is not None and cfg.hidden_size != hidden_size) or (
+                    num_layers is not None and not 0 <= cfg.layer < num_layers):
+                raise ValueError(f"{head_file} reads layer {cfg.layer} of a {cfg.hidden_size}-wide model; the served "
+                                 f"model has {num_layers} layers of width {hidden_size}")
+            refiner = SelfRefiner(head, head_file)
+        predictor = None
+        if kind != "self":
+            from tokenslice.predict.length import LengthPredictor  # torch and faiss: only when asked for
 
-        return cls(LengthPredictor.load(path, store_text=store_text), tokenizer)
+            predictor = LengthPredictor.load(path, store_text=store_text)
+        return cls(predictor, tokenizer, refiner)
+
+    @property
+    def kind(self) -> str:
+        return "both" if self.predictor and self.refiner else "self" if self.refiner else "embed"
 
     def predict(self, req: Request, text: str | None) -> None:
         """Set the request's predicted output length, unless it came with one; `text`: its prompt
         when the caller has it (spares a detokenization)."""
+        if self.refiner is not None:
+            self.refiner.add(req.request_id, req.num_prompt_tokens)
+        if self.predictor is None:
+            return
         if text is None:
             text = self.tokenizer.decode(req.prompt_token_ids)
         self._prompt_text[req.request_id] = text
         if req.predicted_output_tokens is None:
             req.predicted_output_tokens = max(1, round(self.predictor.predict_one(text)))
 
+    def mark(self, plan: StepPlan) -> None:
+        """Before the step runs: ask it for the hidden states of the requests due a prediction."""
+        if self.refiner is not None and not plan.is_empty:
+            self.refiner.mark(plan)
+
+    def refine(self, hidden: Mapping[str, list[float]], plan: StepPlan, requests: Mapping[str, Request]
+               ) -> dict[str, int]:
+        """After the step: request id -> its new predicted total output tokens, from the states
+        `plan` captured (counted before the step's token, as when it was marked)."""
+        if self.refiner is None or not hidden:
+            return {}
+        before = {s.request_id: s.num_output_tokens for s in plan.slices if s.capture_hidden}
+        remaining = self.refiner.apply(hidden, before)
+        out = {}
+        for rid, rem in remaining.items():
+            req = requests.get(rid)
+            if req is None:
+                continue
+            done = before[rid]
+            total = done + rem
+            arrival = req.predicted_output_tokens
+            if done == 0 and self.predictor is not None and arrival is not None:
+                w = self.refiner.head.config.blend_weight
+                total = math.expm1(w * math.log1p(total) + (1 - w) * math.log1p(arrival))
+            out[rid] = max(done + 1, round(total))
+        return out
+
+    def predicted_at(self, request_id: str) -> int | None:
+        """Output tokens when the self head last predicted this request (None: it has not)."""
+        return self.refiner.predicted_at(request_id) if self.refiner is not None else None
+
     def observe(self, finished: list[Request]) -> None:
         """Learn the lengths of finished requests; aborted ones say nothing about their length."""
         for req in finished:
+            learn = req.finish_reason in ("stop", "length")
+            if self.refiner is not None:
+                self.refiner.finish(req.request_id, req.num_output_tokens, learn)
             text = self._prompt_text.pop(req.request_id, None)
-            if text is not None and req.finish_reason in ("stop", "length"):
+            if text is not None and learn:
                 # Cut off by max_tokens: only a lower bound on the length it wanted (censored).
                 self.predictor.observe(text, req.num_output_tokens, censored=req.finish_reason == "length")
 
     def close(self) -> None:
-        self.predictor.close()
+        if self.refiner is not None:
+            self.refiner.close()
+        if self.predictor is not None:
+            self.predictor.close()
+

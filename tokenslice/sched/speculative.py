@@ -146,6 +146,15 @@ class SpeculativeSRPTPolicy(Policy):
         self.predicted[rid] = min(max(1, round(guess)), self._cap(req))
         self._rekey(req)
 
+    def on_prediction(self, req: Request, now: float) -> None:
+        """The length predictor refined `req`'s predicted output (from the model's own hidden
+        state, at the end of prefill or while it decodes): rank it by the new remaining time."""
+        rid = req.request_id
+        if rid in self._live and req.predicted_output_tokens is not None:
+            done = req.num_output_tokens
+            self.predicted[rid] = min(max(done + 1, req.predicted_output_tokens), self._cap(req))
+            self._rekey(req)
+
     def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
         # Only jobs that ran changed (ALISE re-evaluates priorities every iteration; waiting
         # jobs' aged keys are constant, see the class doc).
@@ -202,8 +211,9 @@ class SpeculativeSRPTPolicy(Policy):
     def describe_queues(self) -> dict[str, Any]:
         """Jobs by aged estimated remaining time, with their current predictions (ALISE §3.1)."""
         return {"kind": "srpt", "aging": self.aging,
-                "order": [{"id": k[3], "predicted_output_tokens": self.predicted[k[3]], "remaining_s": self._rem[k[3]]}
-                          for k in self._keys]}
+                "order": [{"id": k[3], "predicted_output_tokens": self.predicted[k[3]],
+                           "predicted_remaining_tokens": self.predicted[k[3]] - self._live[k[3]].num_output_tokens,
+                           "remaining_s": self._rem[k[3]]} for k in self._keys]}
 
     # ---- swap ordering and memory hints (ALISE §3.2) ------------------------------------------
     def next_run_estimates(self, now: float) -> dict[str, float]:

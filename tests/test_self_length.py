@@ -1,0 +1,204 @@
+"""Length prediction from the served model's own hidden states (predict/self_head.py,
+self_refine.py, online.py): capture leaves outputs unchanged and returns the states a one-pass
+forward computes, the head learns online, refinement keeps to its budget, srpt-predicted re-ranks."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenslice.llm import LLM
+from tokenslice.plan import SeqSlice, StepPlan
+from tokenslice.predict.online import OnlineLengthPredictor, predictor_kind
+from tokenslice.predict.self_head import SELF_HEAD_FILE, SelfHeadConfig, SelfLengthHead
+from tokenslice.predict.self_refine import SelfRefiner
+from tokenslice.request import Request, SamplingParams
+from tokenslice.sched.policy import PolicyContext
+from tokenslice.sched.registry import make_policy
+
+STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260k"
+PROMPTS = [[1, 403, 407, 261, 1000 % 512, 266], [1, 77, 88, 99], [1, 300, 301, 302, 303, 304, 305, 306, 307]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def fitted_head(layer: int, hidden: int, refine_every: int = 4, budget_s: float = 1.0, seed: int = 0) -> SelfLengthHead:
+    """A head fitted on random rows (its predictions are arbitrary; what it is asked for is not)."""
+    rng = np.random.default_rng(seed)
+    head = SelfLengthHead(SelfHeadConfig(layer=layer, hidden_size=hidden, refine_every=refine_every,
+                                         budget_s=budget_s, refit_every=2))
+    n = 64
+    head.add(rng.normal(size=(n, hidden)), rng.integers(1, 50, n), rng.integers(0, 30, n), rng.integers(1, 200, n))
+    assert head.fit()
+    return head
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_capture_leaves_greedy_tokens_unchanged_and_returns_the_one_pass_states() -> None:
+    llm = LLM(str(STORIES), dtype="float32")
+    plain = greedy_tokens(llm)
+    arch = llm.engine.runner.model.arch
+    head = fitted_head(layer=2, hidden=arch.hidden_size)
+    refiner = SelfRefiner(head)
+    llm.engine.lengths = OnlineLengthPredictor(None, llm.tokenizer, refiner)
+    seen: dict[tuple[str, int], list[float]] = {}
+    apply = refiner.apply
+
+    def recording_apply(hidden, output_tokens):  # noqa: ANN001, ANN202
+        for rid, h in hidden.items():
+            seen[(rid, output_tokens[rid])] = h
+        return apply(hidden, output_tokens)
+
+    refiner.apply = recording_apply  # type: ignore[method-assign]
+    captured = greedy_tokens(llm)
+    assert captured == plain
+    # At prefill (t = 0) and every refine_every = 4 tokens after it, for each request.
+    assert sorted({t for _, t in seen}) == list(range(0, GREEDY.max_tokens, 4))
+    assert refiner.num_predictions == len(seen) == len(PROMPTS) * GREEDY.max_tokens // 4
+    # Each captured state is what one forward pass over prompt + answer computes at its row.
+    runner = llm.engine.runner
+    for i, (prompt, answer) in enumerate(zip(PROMPTS, plain, strict=True)):
+        rid = f"req-{len(PROMPTS) + i}"  # the second generate's ids follow the first's
+        seq = prompt + answer
+        plan = StepPlan(prefill=[SeqSlice("x", seq, 0, list(range(8)), False, SamplingParams(), 0)])
+        ts = [t for r, t in seen if r == rid]
+        ref = runner.prompt_hidden(plan, 2, [len(prompt) - 1 + t for t in ts]).numpy()
+        got = np.array([seen[(rid, t)] for t in ts])
+        np.testing.assert_allclose(got, ref, atol=1e-4)
+    llm.close()
+
+
+def test_head_learns_online_and_reloads(tmp_path: Path) -> None:
+    """Ridge from running sums: rows whose remaining length is a linear function of the state
+    are learned, refits happen every refit_every finished requests, and save/load round-trips."""
+    rng = np.random.default_rng(1)
+    dim = 16
+    w = rng.normal(size=dim)
+    head = SelfLengthHead(SelfHeadConfig(layer=0, hidden_size=dim, ridge=1e-3, refit_every=3))
+    path = tmp_path / SELF_HEAD_FILE
+    refiner = SelfRefiner(head, path)
+    for r in range(40):  # bootstrap the first fit by hand, then learn from finished requests
+        h = rng.normal(size=(1, dim))
+        head.add(h, [10], [0], [np.expm1(3 + 0.3 * h[0] @ w)])
+    head.fit()
+    for r in range(9):
+        rid = f"r{r}"
+        refiner.add(rid, 10)
+        h = rng.normal(size=dim)
+        total = int(np.expm1(3 + 0.3 * h @ w))
+        refiner.apply({rid: h.tolist()}, {rid: 0})
+        refiner.finish(rid, total, learn=True)
+    assert path.is_file() and head.rows_since_fit == 0  # the 9th finish refitted and saved
+    test = rng.normal(size=(200, dim))
+    pred = head.predict_log(test, np.full(200, 10), np.zeros(200))
+    assert np.corrcoef(pred, test @ w)[0, 1] > 0.95
+    again = SelfLengthHead.load(path)
+    np.testing.assert_allclose(again.predict_log(test, np.full(200, 10), np.zeros(200)), pred)
+    assert predictor_kind(tmp_path) == "self"
+
+
+class StepTimer:
+    """A clock that moves only when told: the next timed span (a pair of readings) lasts `pending`."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.pending = 0.0
+        self.calls = 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls % 2 == 0:  # the span's end
+            self.now += self.pending
+            self.pending = 0.0
+        return self.now
+
+
+def decode_slice(rid: str, done: int) -> SeqSlice:
+    return SeqSlice(rid, [5], 10 + done, [0], True, SamplingParams(), done)
+
+
+def test_refinement_over_budget_is_deferred_most_overdue_first() -> None:
+    timer = StepTimer()
+    head = fitted_head(layer=0, hidden=8, refine_every=4, budget_s=0.0025)
+    refiner = SelfRefiner(head, timer=timer)
+    ids = [f"r{i}" for i in range(5)]
+    for rid in ids:
+        refiner.add(rid, 10)
+    # Prefill predictions: always made, whatever the budget. Each row 'costs' 1 ms.
+    prefill = StepPlan(prefill=[SeqSlice(rid, list(range(10)), 0, [0], True, SamplingParams(), 0) for rid in ids])
+    assert refiner.mark(prefill) == 5 and prefill.hidden_layer == 0
+    timer.pending = 0.005
+    refiner.apply({rid: [0.0] * 8 for rid in ids}, {rid: 0 for rid in ids})
+    assert refiner.cost_s == pytest.approx(0.001)
+    # Not yet due (3 < 4 tokens since the last prediction): nothing asked.
+    early = StepPlan(decode=[decode_slice(rid, 3) for rid in ids])
+    assert refiner.mark(early) == 0 and early.hidden_layer is None
+    # All due, but 2.5 ms of budget at 1 ms each: two now, the other three wait.
+    plan = StepPlan(decode=[decode_slice(rid, 4 + (rid == "r4")) for rid in ids])
+    assert refiner.mark(plan) == 2 and refiner.num_deferred == 3
+    first = [s.request_id for s in plan.decode if s.capture_hidden]
+    assert "r4" in first  # the most overdue (5 tokens since its prediction) goes first
+    timer.pending = 0.002
+    refiner.apply({rid: [0.0] * 8 for rid in first}, {rid: 4 for rid in first})
+    # The next step: the deferred ones are now the most overdue.
+    nxt = StepPlan(decode=[decode_slice(rid, 5) for rid in ids])
+    assert refiner.mark(nxt) == 2
+    assert not {s.request_id for s in nxt.decode if s.capture_hidden} & set(first)
+    # A zero budget refines nothing, but prefill predictions still happen.
+    head.config.budget_s = 0.0
+    zero = StepPlan(decode=[decode_slice(rid, 12) for rid in ids])
+    assert refiner.mark(zero) == 0
+    refiner.add("new", 10)
+    assert refiner.mark(StepPlan(prefill=[SeqSlice("new", list(range(10)), 0, [0], True, SamplingParams(), 0)])) == 1
+
+
+def test_srpt_predicted_reranks_by_the_refined_prediction() -> None:
+    from test_scheduler import COST
+
+    from tokenslice.config import SchedulerConfig
+
+    pol = make_policy("srpt-predicted", PolicyContext(SchedulerConfig(max_batch_size=2), COST))
+    a = Request("a", [1] * 8, SamplingParams(max_tokens=500), 0.0, predicted_output_tokens=20)
+    b = Request("b", [1] * 8, SamplingParams(max_tokens=500), 0.0, predicted_output_tokens=200)
+    for r in (a, b):
+        pol.on_arrival(r, 0.0)
+    assert [r.request_id for r in pol.ranked(0.0)] == ["a", "b"]
+    a.output_token_ids.extend([3] * 16)
+    a.predicted_output_tokens = 400  # refined: a turns out long
+    pol.on_prediction(a, 1.0)
+    assert [r.request_id for r in pol.ranked(1.0)] == ["b", "a"]
+    row = pol.describe_queues()["order"][1]
+    assert row["id"] == "a" and row["predicted_remaining_tokens"] == 400 - 16
+    a.predicted_output_tokens = 3  # behind what it generated: at least one more token
+    pol.on_prediction(a, 2.0)
+    assert pol.predicted["a"] == 17
+
+
+def test_engine_loads_a_self_head_and_refines_live_predictions(tmp_path: Path) -> None:
+    probe = LLM(str(STORIES), dtype="float32")
+    hidden = probe.engine.runner.model.arch.hidden_size
+    probe.close()
+    fitted_head(layer=1, hidden=hidden, refine_every=8).save(tmp_path / SELF_HEAD_FILE)
+    llm = LLM(str(STORIES), dtype="float32", policy="srpt-predicted", length_predictor=str(tmp_path))
+    eng = llm.engine
+    assert eng.lengths is not None and eng.lengths.kind == "self"
+    req = eng.add_request(PROMPTS[0], GREEDY)
+    assert req.predicted_output_tokens is None  # nothing before prefill in "self"
+    eng.step()
+    first = req.predicted_output_tokens
+    assert first is not None and eng.lengths.predicted_at(req.request_id) == 0
+    for _ in range(8):
+        eng.step()
+    assert eng.lengths.predicted_at(req.request_id) == 8
+    state = eng.state()
+    assert state["requests"][0]["predicted_output_tokens"] == req.predicted_output_tokens
+    while eng.has_unfinished():
+        eng.step()
+    llm.close()
+    # Too few layers for the head: refused at load.
+    fitted_head(layer=50, hidden=hidden).save(tmp_path / SELF_HEAD_FILE)
+    with pytest.raises(ValueError, match="layer 50"):
+        LLM(str(STORIES), dtype="float32", length_predictor=str(tmp_path))
