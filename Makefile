@@ -35,9 +35,10 @@ browser:
 
 # fcfs vs skip-join-mlfq over HTTP on the built-in model, a server each, side by side (about a
 # minute on 2 CPU cores); prints the table, writes results/demo.json and results/demo.png.
+# `make demo PORT=9000`: the servers on ports 9000 and 9001 (default: free ports).
 demo: $(STAMP)
 	mkdir -p results
-	$(BIN)/tokenslice bench --model builtin:tiny --policy fcfs,skip-join-mlfq --server-threads 1 --interleave --max-batch-size 8 \
+	$(BIN)/tokenslice bench --model builtin:tiny --policy fcfs,skip-join-mlfq --server-threads 1 --interleave --max-batch-size 8 $(if $(PORT),--port $(PORT)) \
 		--workload synthetic-lognormal --input-len 32 --output-len 64 --max-len 512 --num-requests 100 \
 		--rates 10,20,30,40,60 --slo-normalized-latency auto --out results/demo.json --plot results/demo.png
 

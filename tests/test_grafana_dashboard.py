@@ -23,7 +23,7 @@ def test_every_query_names_an_exposed_metric() -> None:
     with start_server("--no-engine-process") as srv:
         client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=60)
         client.completions.create(model="builtin:tiny", prompt="hi", max_tokens=4, user="u1")  # per-user series
-        with pytest.raises(openai.BadRequestError):  # and a rejection's
+        with pytest.raises(openai.NotFoundError):  # and a rejection's
             client.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
         exposed = {re.sub(r"\{.*\}", "", k) for k in srv.metrics()}
     missing = {n for n in used if n not in exposed and not any(n + s in exposed for s in HISTOGRAM_SUFFIXES)}

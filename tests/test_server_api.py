@@ -212,7 +212,7 @@ def test_async_client(aclient: openai.AsyncOpenAI) -> None:
         text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
         assert c.usage.completion_tokens <= 4
         assert text == chat.choices[0].message.content
-        with pytest.raises(openai.BadRequestError):
+        with pytest.raises(openai.NotFoundError):  # an unknown model is 404, as OpenAI and vLLM answer
             await aclient.completions.create(model="nope", prompt=PROMPT, max_tokens=4)
         await aclient.close()
 
@@ -230,7 +230,6 @@ def _assert_400(exc: pytest.ExceptionInfo[openai.BadRequestError], param: str | 
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(model="no-such-model"), "model"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),
     (dict(temperature="hot"), "temperature"),

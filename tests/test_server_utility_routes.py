@@ -57,11 +57,12 @@ def test_tokenize_messages_is_what_chat_feeds_the_engine(srv: RunningServer) -> 
 
 @pytest.mark.parametrize(("body", "param"), [
     ({}, "prompt"), ({"prompt": "hi", "messages": MESSAGES}, "prompt"), ({"prompt": 5}, "prompt"),
-    ({"prompt": "hi", "model": "other"}, "model"),
 ])
 def test_tokenize_bad_bodies_are_400(srv: RunningServer, body: dict, param: str) -> None:
     r = httpx.post(srv.url("/tokenize"), json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    other = httpx.post(srv.url("/tokenize"), json={"prompt": "hi", "model": "other"})  # an unknown model: 404
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found", other.text
 
 
 def test_detokenize_round_trip_and_out_of_vocabulary(srv: RunningServer) -> None:

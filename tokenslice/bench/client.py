@@ -65,6 +65,7 @@ class LoadClient:
     def __init__(self, cfg: ClientConfig) -> None:
         cfg.validate()
         self.cfg = cfg
+        self._max_model_len: int | None | bool = False  # False: not asked yet
 
     def _http(self) -> httpx.AsyncClient:
         # No pool limit: an open-loop client must never queue requests on its own side.
@@ -93,6 +94,17 @@ class LoadClient:
                         "models": r.json().get("data") if r.status_code == 200 else None}
 
         return asyncio.run(get())
+
+    def max_model_len(self) -> int | None:
+        """The served model's context as /v1/models reports it (tokenslice and vLLM do), once asked;
+        None when the server does not say."""
+        if self._max_model_len is False:
+            info = self.server_info()
+            cards = info.get("models") or []
+            card = next((c for c in cards if c.get("id") == info["model"]), cards[0] if cards else {})
+            value = card.get("max_model_len")
+            self._max_model_len = value if isinstance(value, int) and value > 0 else None
+        return self._max_model_len
 
     def run(self, requests: Sequence[WorkloadRequest],
             followups: Mapping[str, Sequence[WorkloadRequest]] | None = None,

@@ -17,20 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
 from tokenslice.bench.client import LoadClient, RunResult
@@ -42,13 +35,13 @@ from tokenslice.bench.metrics import COUNTER_KEYS, SLO, max_rate_detail, results
 from tokenslice.bench.metrics import per_request_data
 from tokenslice.bench.datasets import DatasetCache, resolve_dataset
 from tokenslice.bench.priority_patterns import PRIORITY_PATTERNS, PriorityPattern
-from tokenslice.bench.workloads import (WorkloadRequest, check_user_shares, make_workload, parse_user_shares,
-                                        workload_stats)
+from tokenslice.bench.servers import (STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, ServerProcess, ServerSpec, free_port,
+                                      running_server)
+from tokenslice.bench.workloads import (WorkloadRequest, check_user_shares, fit_context, make_workload,
+                                        parse_user_shares, workload_stats)
 from tokenslice.config import field_from
 
 SLO_DECODE_FACTOR = 10  # the paper protocol: SLO = 10x the decode iteration time
-STARTUP_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -155,94 +148,6 @@ class BenchSpec:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("workload", "policies", "slo")}
 
 
-@dataclass
-class ServerSpec:
-    """How `bench --model` starts a server per policy: `tokenslice serve` in a child process."""
-
-    model: str
-    args: list[str] = field(default_factory=list)  # further `serve` flags (batch size, KV blocks, profile, ...)
-    threads: int | None = None  # torch threads in the server (OMP_NUM_THREADS); None: torch's default
-    api_key: str | None = None
-
-
-# ---------------------------------------------------------------- servers
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    # Runs in the child before exec: the kernel sends it SIGTERM when the bench process dies,
-    # however it dies (even SIGKILL), so no server is left running without its client.
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-class ServerProcess:
-    """`tokenslice serve` as a child process on a free loopback port; stopped with SIGTERM to its
-    own PID (SIGKILL only if it does not exit). Its log goes to a temporary file, shown on failure."""
-
-    def __init__(self, spec: ServerSpec, policy: str, slo_normalized_latency: float | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tokenslice.cli", "--log-level", "WARNING", "serve", "--model", spec.model,
-               "--policy", policy, "--host", "127.0.0.1", "--port", str(self.port)]
-        if slo_normalized_latency is not None and "--slo-normalized-latency" not in spec.args:
-            cmd += ["--slo-normalized-latency", repr(slo_normalized_latency)]
-        if spec.api_key:
-            cmd += ["--api-key", spec.api_key]
-        self.cmd = cmd + list(spec.args)
-        env = dict(os.environ)
-        if spec.threads is not None:
-            env["OMP_NUM_THREADS"] = str(spec.threads)
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"tokenslice-bench-{policy}-", suffix=".log")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-
-    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not come up in {timeout_s:g} s:\n{self.log_tail()}")
-            time.sleep(0.2)
-
-    def log_tail(self, chars: int = 3000) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text()[-chars:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
-@contextmanager
-def running_server(spec: ServerSpec, policy: str, slo_normalized_latency: float | None = None) -> Iterator[str]:
-    """A started server's base URL; the server is stopped however the block ends."""
-    server = ServerProcess(spec, policy, slo_normalized_latency)
-    try:
-        server.wait_ready()
-        yield server.url
-    finally:
-        server.stop()
-
-
 # ---------------------------------------------------------------- one run
 
 def bench_metrics(result: RunResult, slo: SLO, prefix: str = "tokenslice:") -> dict[str, Any]:
@@ -293,6 +198,7 @@ def compact_records(records: Sequence[ClientRecord]) -> dict[str, Any]:
     for key in ("queue_s", "exec_s"):  # the client cannot split latency this way
         data.pop(key, None)
     data["errors"] = sorted({r.error for r in records if r.error})
+    data["error_counts"] = dict(Counter(r.error for r in records if r.error).most_common())
     return data
 
 
@@ -359,7 +265,8 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
 
     def connect(sweep: _PolicySweep, stack: ExitStack) -> None:
         nonlocal server_info
-        url = stack.enter_context(_server_url(server, client, sweep.policy, slo.mean_normalized_latency))
+        url = stack.enter_context(_server_url(server, client, sweep.policy, slo.mean_normalized_latency,
+                                              spec.policies.index(sweep.policy)))
         sweep.client = LoadClient(dataclasses.replace(client, base_url=url))
         server_info = sweep.client.server_info()
         warm_up(sweep.client, spec.warmup_requests)
@@ -403,11 +310,11 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
 
 @contextmanager
 def _server_url(server: ServerSpec | None, client: ClientConfig, policy: str,
-                slo_normalized_latency: float | None) -> Iterator[str]:
+                slo_normalized_latency: float | None, index: int = 0) -> Iterator[str]:
     if server is None:
         yield client.base_url
         return
-    with running_server(server, policy, slo_normalized_latency) as url:
+    with running_server(server, policy, slo_normalized_latency, index) as url:
         yield url
 
 
@@ -429,7 +336,9 @@ def _measure_decode_step(server: ServerSpec | None, client: ClientConfig, spec: 
 def _one_point(spec: BenchSpec, lc: LoadClient, policy: str, x: float, slo: SLO, cache: DatasetCache,
                tick: ProgressFn) -> dict[str, Any]:
     rate = x if spec.sweep == "rate" else None
-    requests = spec.make(rate, cache)
+    # Lengths past the served context would only fail: they are capped to it (and counted).
+    context = lc.max_model_len()
+    requests, capped = fit_context(spec.make(rate, cache), context, lc.cfg)
     followups = spec.followups(requests, cache)
     total = len(requests) + sum(len(followups.get(r.conversation_id or "", ())) for r in requests)
     point_cfg = lc.cfg if spec.sweep == "rate" else dataclasses.replace(lc.cfg, max_concurrency=int(x))
@@ -447,7 +356,8 @@ def _one_point(spec: BenchSpec, lc: LoadClient, policy: str, x: float, slo: SLO,
     metrics = bench_metrics(result, slo, lc.cfg.metrics_prefix)
     users = user_summary(result.records)
     extra = {**({"per_user": users} if users else {}),
-             **({"priority_updates": result.priority_updates} if result.priority_updates else {})}
+             **({"priority_updates": result.priority_updates} if result.priority_updates else {}),
+             **({"capped_to_context": {"max_model_len": context, "requests": capped}} if capped else {})}
     return run_entry(policy, None, rate, metrics, cv=spec.cv if rate else None, num_requests=len(result.records),
                      seed=spec.seed, concurrency=int(x) if spec.sweep == "concurrency" else point_cfg.max_concurrency,
                      server_counters=result.server_counters, per_request=compact_records(result.records), **extra)
@@ -480,5 +390,6 @@ def bench_summary(runs: Sequence[Mapping[str, Any]], spec: BenchSpec, slo: SLO,
     return summary
 
 
-__all__ = ["BenchSpec", "ServerSpec", "ServerProcess", "running_server", "free_port", "bench_metrics", "slo_value",
+__all__ = ["BenchSpec", "ServerSpec", "ServerProcess", "running_server", "free_port", "STARTUP_TIMEOUT_S",
+           "STOP_TIMEOUT_S", "bench_metrics", "slo_value",
            "clearly_past", "compact_records", "run_bench", "bench_summary", "warm_up", "SLO_DECODE_FACTOR"]

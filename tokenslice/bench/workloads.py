@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -170,6 +171,36 @@ def make_workload(name: str, *, num_requests: int, rate: float | None = None, cv
     return out
 
 
+# Tokens of the context left free for what the server adds to a text prompt (a BOS token, a chat
+# template) and for a tokenizer counting differently from the bench's; token-id prompts need none.
+TEXT_SLACK_TOKENS = 32
+
+
+def fit_context(requests: Sequence[WorkloadRequest], max_model_len: int | None,
+                client: Any = None) -> tuple[list[WorkloadRequest], int]:
+    """The requests with prompt + output within the server's context (`max_model_len`; None: as
+    they are), and how many were changed. Outputs are shortened first; a prompt that leaves no room
+    is cut so that the output keeps up to half the context. `client` (a ClientConfig) says how
+    prompts are sent: as token ids (exact) or as text (TEXT_SLACK_TOKENS kept free)."""
+    if max_model_len is None:
+        return list(requests), 0
+    as_ids = client is not None and client.endpoint == "completions"
+    out, capped = [], 0
+    for r in requests:
+        ids = as_ids and (client.prompt_format == "synthetic" or r.prompt is None)
+        limit = max(2, max_model_len - (0 if ids else TEXT_SLACK_TOKENS))
+        if r.prompt_len + r.output_len <= limit:
+            out.append(r)
+            continue
+        capped += 1
+        plen = r.prompt_len if r.prompt_len < limit else limit - min(r.output_len, limit // 2)
+        changes: dict[str, Any] = {"prompt_len": plen, "output_len": max(1, min(r.output_len, limit - plen))}
+        if plen != r.prompt_len:  # the text no longer matches the length: send its ids, cut
+            changes.update(prompt=None, prompt_token_ids=_fit_ids(r.prompt_token_ids or [], plen) or None)
+        out.append(replace(r, **changes))
+    return out, capped
+
+
 def workload_stats(requests: Sequence[WorkloadRequest]) -> dict[str, float]:
     """Means and medians of lengths, offered rate: for reports and sanity checks."""
     if not requests:
@@ -194,5 +225,5 @@ def load_workload(path: str | Path) -> list[WorkloadRequest]:
         return [WorkloadRequest(**json.loads(line)) for line in f if line.strip()]
 
 
-__all__ = ["WORKLOAD_NAMES", "WorkloadRequest", "sample_indices", "parse_user_shares", "check_user_shares",
-           "make_workload", "workload_stats", "save_workload", "load_workload"]
+__all__ = ["WORKLOAD_NAMES", "TEXT_SLACK_TOKENS", "WorkloadRequest", "sample_indices", "parse_user_shares",
+           "check_user_shares", "fit_context", "make_workload", "workload_stats", "save_workload", "load_workload"]

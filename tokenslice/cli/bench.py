@@ -20,11 +20,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
+    import httpx
     from tqdm import tqdm
 
     from tokenslice.bench.client_config import ClientConfig
     from tokenslice.bench.metrics import SLO
     from tokenslice.bench.report import format_summary, format_table, plot_results
+    from tokenslice.bench.run_notes import format_notes
     from tokenslice.bench.sweep import BenchSpec, ServerSpec, run_bench
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the table
@@ -39,7 +41,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         for name in [n for _, n in BENCH_SERVER_FLAGS] + ["profile"]:
             if getattr(a, name) is not None:
                 args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
-        server = ServerSpec(model=a.model, args=args, threads=a.server_threads, api_key=a.api_key)
+        server = ServerSpec(model=a.model, args=args, threads=a.server_threads, api_key=a.api_key, port=a.port)
         if tokenizer is None and Path(a.model).is_dir():
             tokenizer = a.model  # count dataset tokens as the served model does
     else:
@@ -64,6 +66,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                           max_concurrency=a.max_concurrency, prompt_format=a.prompt_format,
                           history_max_chars=a.history_max_chars)
     client.validate()
+    if a.url:
+        check_reachable(client)
     with tqdm(desc="bench", unit="req", file=sys.stderr, disable=a.quiet) as bar:
         def tick(desc: str, done: int, total: int) -> None:
             if bar.total != total or done == 1:
@@ -71,14 +75,39 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 bar.set_description_str(desc, refresh=False)
             bar.update(done - bar.n)
 
-        results = run_bench(spec, client, server, progress=tick)
+        try:
+            results = run_bench(spec, client, server, progress=tick)
+        except httpx.HTTPError as e:  # the server went away mid-run: say so in one line
+            raise ValueError(f"lost the server at {client.root or 'the started server'}: {_why(e)}") from None
     print(format_summary([results], [a.workload]))
     print(format_table([results]))
+    notes = format_notes([results])
+    if notes:
+        print(notes)
     if a.out:
         write_json(a.out, results)
     if a.plot:
         print(f"wrote {plot_results([results], a.plot)}")
     return 0
+
+
+def _why(e: Exception) -> str:
+    return str(e) or type(e).__name__
+
+
+def check_reachable(client: Any) -> None:
+    """A one-line error (no traceback) when --url does not answer /v1/models."""
+    import httpx
+
+    from tokenslice.bench.client_config import CONTROL_TIMEOUT_S
+
+    url = client.root + "/v1/models"
+    try:
+        r = httpx.get(url, headers=client.headers(), timeout=CONTROL_TIMEOUT_S)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {client.root}: {_why(e)} (is the server running there?)") from None
+    if r.status_code != 200:
+        raise ValueError(f"{url} answered HTTP {r.status_code}: {r.text[:200]}")
 
 
 def add_subcommand(sub: Any) -> None:
@@ -146,6 +175,8 @@ def add_subcommand(sub: Any) -> None:
         add_field_flag(srv, cls, name, default=None)
     srv.add_argument("--profile", default=None, help="cost model the policies use (see `serve --profile`)")
     srv.add_argument("--server-threads", type=int, default=None, help="torch threads in each server")
+    srv.add_argument("--port", type=int, default=None, help="the first server's port, the next policy's server "
+                     "takes the next one (default: free ports)")
     srv.add_argument("--server-args", default=None, help="further `serve` flags, as one quoted string")
     add_priority_flags(b, BenchSpec)
     spec("iteration_s", metavar="SECONDS", help="with --priority-pattern: the server's iteration time, which turns "

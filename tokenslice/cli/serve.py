@@ -8,8 +8,9 @@ import sys
 from typing import Any
 
 from tokenslice.cli.args import add_engine_args, add_field_flag, engine_config_from_args
+from tokenslice.cli.serve_options import add_server_options, resolve_model_tag, server_settings, uvicorn_options
+from tokenslice.cli.vllm_flags import add_vllm_compat_flags, log_vllm_notes
 from tokenslice.config import CpuConfig, EngineConfig
-from tokenslice.model.known_models import served_model_name
 from tokenslice.server.settings import ServerSettings
 
 # After the engine's death, open connections get this long to finish (their streams already
@@ -30,15 +31,11 @@ def serve_app_from_args(a: argparse.Namespace) -> Any:
     default) the engine core starts here, in its own process, and is ready when this returns."""
     from tokenslice.server.app import create_app
     from tokenslice.server.identity import load_keyring
+    from tokenslice.server.vllm_metrics import cache_info_labels
 
-    if a.max_waiting < 1:
-        raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
-    if a.max_body_bytes < 1:
-        raise ValueError(f"--max-body-bytes must be >= 1, got {a.max_body_bytes}")
-    settings = ServerSettings(served_model_name=a.served_model_name or served_model_name(a.model),
-                              api_key=a.api_key or None,
-                              max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes,
-                              engine_process=a.engine_process)
+    resolve_model_tag(a)
+    log_vllm_notes(a)
+    settings = server_settings(a)
     config = serve_engine_config(a)
     # --api-keys: who each key is (server/identity.py); vtc then weighs tenants as the file says.
     settings.api_keys, settings.metrics_require_key = a.api_keys, a.metrics_require_key
@@ -46,6 +43,7 @@ def serve_app_from_args(a: argparse.Namespace) -> Any:
     if settings.metrics_require_key and not keyring.required:
         raise ValueError("--metrics-require-key needs --api-key or --api-keys")
     config.scheduler.tenant_weights = keyring.tenant_weights()
+    settings.cache_config_info = cache_info_labels(config.cache)
     engine: Any
     if settings.engine_process:
         from tokenslice.engine.core_client import EngineCoreClient
@@ -88,6 +86,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     from tokenslice.engine.core_client import EngineStartupError
 
+    options = uvicorn_options(a)  # checked before the engine starts
     try:
         app = serve_app_from_args(a)
     except EngineStartupError as e:  # as main() answers the same errors raised in this process
@@ -95,8 +94,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return 2
     claim_server_cpus(a)
     # Our own log line per request replaces uvicorn's access log (which would add nothing).
-    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level.lower(),
-                                           access_log=False, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, **options, access_log=False, timeout_graceful_shutdown=5))
     died = False
 
     def on_dead() -> None:
@@ -128,7 +126,6 @@ def add_subcommand(sub: Any) -> None:
                         "flag; a tenant sees and re-prioritises only its own requests (README: API keys)")
     add_field_flag(s, ServerSettings, "metrics_require_key",
                    help="/metrics needs an admin key (an --api-keys admin, or --api-key)")
-    s.add_argument("--served-model-name", default=None, help="model name clients send (default: --model)")
     add_field_flag(s, ServerSettings, "max_waiting",
                    help="requests allowed to wait for their first token; more get 429 with Retry-After")
     add_field_flag(s, ServerSettings, "max_body_bytes", help="larger request bodies get 413")
@@ -143,4 +140,6 @@ def add_subcommand(sub: Any) -> None:
     add_field_flag(s, CpuConfig, "pin_cpus", action=argparse.BooleanOptionalAction,
                    help="bind the API server and the engine core to their own CPUs (Linux; default: only "
                         "with more than 2 CPUs)")
+    add_server_options(s)
+    add_vllm_compat_flags(s)
     s.set_defaults(func=cmd_serve)

@@ -67,6 +67,7 @@ def add_subcommand(sub: Any) -> None:
     flag("output_len", help="synthetic workloads: output length (mean)")
     flag("server_threads", help="torch threads in each server")
     flag("url", help="an already running tokenslice server (one policy) instead of starting servers")
+    flag("port", help="the port of the servers twin starts, one at a time (default: a free port each)")
     flag("server_step_trace", metavar="FILE", help="with --url: the file the server's --step-trace writes "
          "(needed for the serving path and the step comparison)")
     flag("step_trace_dir", metavar="DIR", help="keep the servers' and the simulator's step traces here")

@@ -2,11 +2,11 @@
 
 Routes: POST /v1/completions (server/completions.py), POST /v1/chat/completions (server/chat.py),
 POST /v1/requests/{id}/priority, GET /v1/models[/{id}], GET /v1/state[/stream] (the live view's
-data, server/state.py), POST /tokenize, POST /detokenize, GET /health, GET|POST /ping,
+data, server/state.py), POST /tokenize, POST /detokenize, GET /tokenizer_info, GET /health, GET|POST /ping,
 GET /version, GET /metrics (server/routes.py), and the live view's page GET /dashboard
 (server/dashboard.py). Every error body is OpenAI's `{"error": {"message", "type", "param",
 "code"}}` (server/errors.py).
-/v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` when an API key is set;
+/v1/*, /tokenize, /detokenize and /tokenizer_info need `Authorization: Bearer KEY` when an API key is set;
 /health, /ping, /version, /metrics and /dashboard (a page without data) stay open so that
 probes and scrapers need no secret (server/middleware.py); --metrics-require-key closes /metrics
 to all but admin keys. With --api-keys each key stands for a tenant (server/identity.py).
@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from tokenslice.engine.protocol import EngineClient
 from tokenslice.server.chat import add_chat_route
@@ -70,4 +71,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=server.metrics.reject)
     app.add_middleware(APIKeyMiddleware, keyring=server.keyring, on_reject=server.metrics.reject,
                        metrics_require_key=settings.metrics_require_key)
+    if settings.allowed_origins:  # outermost: a browser's preflight needs no key (--allowed-origins)
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                           allow_credentials=settings.allow_credentials)
     return app

@@ -5,13 +5,15 @@ scheduler ranks, preempts and finishes every choice on its own; they are aborted
 order outputs arrive; `abort_unfinished` aborts the choices still running; `best_of` keeps the
 n candidates of each prompt with the highest cumulative logprob (OpenAI's best_of);
 `sibling_seed` gives every sample of a seeded request its own reproducible stream;
-`finish_reason` says why a choice ended, in OpenAI's words.
+`finish_reason` says why a choice ended, in OpenAI's words, and `StopReasons` which stop string or
+token ended it (vLLM's stop_reason).
 """
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenslice.engine.protocol import EngineClient, RequestStream
 from tokenslice.request import RequestOutput, TokenLogprobs
@@ -113,3 +115,53 @@ def finish_reason(reason: str | None) -> str | None:
 def output_finish_reason(out: RequestOutput) -> str | None:
     """finish_reason of a stream chunk: set on the output that finishes the choice."""
     return finish_reason(out.finish_reason) if out.finished else None
+
+
+# Prompt tokens decoded before the output when reading its text, so a first token keeps its
+# leading space (as the engine's detokenizer reads it, engine/detokenizer.py).
+CONTEXT_TOKENS = 5
+
+
+@dataclass
+class StopReasons:
+    """vLLM's stop_reason of a choice that finished with "stop": the stop token id (stop_token_ids,
+    or another end token of the model) or the stop string that ended it; None after the model's
+    end-of-sequence token, a length limit or an abort. The engine reports only "stop", so the
+    string is found again in the output's text, the earliest match first as the detokenizer does."""
+
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    skip_special_tokens: bool
+    tokenizer: Any
+
+    @classmethod
+    def for_request(cls, body: Any, tokenizer: Any) -> StopReasons:
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+        return cls(stop, list(body.stop_token_ids), body.ignore_eos, body.skip_special_tokens, tokenizer)
+
+    def of(self, c: Choice) -> int | str | None:
+        if c.finish_reason != "stop" or not c.token_ids:
+            return None
+        last = c.token_ids[-1]
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if last == eos and not self.ignore_eos:
+            return None
+        if last in self.stop_token_ids:
+            return last
+        if self.stop and self.tokenizer is not None:
+            hit = self._stop_string(c)
+            if hit is not None:
+                return hit
+        # Else one of the model's other end tokens (the engine adds them to the stop tokens, as vLLM).
+        return last if last in (getattr(self.tokenizer, "all_special_ids", None) or ()) else None
+
+    def _stop_string(self, c: Choice) -> str | None:
+        context = c.prompt_token_ids[-CONTEXT_TOKENS:]
+        decode = self.tokenizer.decode
+        base = decode(context, skip_special_tokens=self.skip_special_tokens)
+        full = decode(context + c.token_ids, skip_special_tokens=self.skip_special_tokens)
+        text = full[len(base):] if full.startswith(base) else decode(c.token_ids,
+                                                                     skip_special_tokens=self.skip_special_tokens)
+        hits = [(at, len(s), s) for s in self.stop if (at := text.find(s)) != -1]
+        return min(hits)[2] if hits else None

@@ -13,14 +13,15 @@ from starlette.concurrency import run_in_threadpool
 
 from tokenslice.engine.protocol import EngineInfo
 from tokenslice.request import RequestOutput, SamplingParams, TokenLogprobs, sampling_default
-from tokenslice.server.choices import Choice, best_of, finish_reason, output_finish_reason
+from tokenslice.server.choices import Choice, StopReasons, best_of, finish_reason, output_finish_reason
 from tokenslice.server.errors import APIError
+from tokenslice.server.generation_config import with_defaults
 from tokenslice.server.logprobs import (TokenTexts, completion_logprobs, echo_completion_logprobs,
                                         prompt_logprob_entries)
 from tokenslice.server.openapi import ok_doc
 from tokenslice.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                                         CompletionResponse, StreamOptions)
-from tokenslice.server.sampling import check_stream_options, sampling_params
+from tokenslice.server.sampling import check_logprobs, check_stream_options, sampling_params
 from tokenslice.server.serving import Server
 from tokenslice.server.sse import sse
 from tokenslice.server.streaming import StreamFormat, stream_response
@@ -37,14 +38,17 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
     track = new_track(request, "cmpl", "/v1/completions")
     server.check_model(body.model)
     check_stream_options(body)
-    params, copies = completion_params(body, server.info)
+    check_logprobs(server.settings.max_logprobs, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
+    body = with_defaults(body, server.settings.default_sampling)
+    params, copies = completion_params(body, server.info, server.settings.default_sampling.get("max_tokens"))
     prompts = _prompt_list(body.prompt)
     ids = [await run_in_threadpool(server.prompts.tokenize_prompt, p) if isinstance(p, str) else p for p in prompts]
     for one in ids:
         server.prompts.check_room(one, body.max_tokens, "max_tokens")
     choices = await server.submit_choices(track, ids, params, copies, body)
     model, created = server.settings.served_model_name, int(time.time())
-    rendering = CompletionChoices(body, prompts, TokenTexts(server.tokenizer), server.tokenizer)
+    rendering = CompletionChoices(body, prompts, TokenTexts(server.logprob_tokenizer), server.tokenizer,
+                                  StopReasons.for_request(body, server.tokenizer))
 
     if body.stream:
         stream = CompletionStream(track, created, model, len(choices), body.stream_options, rendering)
@@ -58,8 +62,10 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
     return JSONResponse(resp.model_dump(), headers={"X-Request-Id": track.request_id})
 
 
-def completion_params(body: CompletionRequest, info: EngineInfo) -> tuple[SamplingParams, int]:
-    """The engine's sampling params of every choice, and how many to generate per prompt."""
+def completion_params(body: CompletionRequest, info: EngineInfo,
+                      default_max_tokens: int | None = None) -> tuple[SamplingParams, int]:
+    """The engine's sampling params of every choice, and how many to generate per prompt;
+    `default_max_tokens` (the generation config's) replaces the API's default of 16."""
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported", param="suffix")
     copies = body.best_of or body.n
@@ -70,8 +76,10 @@ def completion_params(body: CompletionRequest, info: EngineInfo) -> tuple[Sampli
     if body.stream and body.prompt_logprobs is not None and not body.echo:
         raise APIError(400, "prompt_logprobs cannot be streamed; use echo with logprobs, or stream false",
                        param="prompt_logprobs")
-    # Left out, max_tokens is the default; sent, it must also fit the context (check_room).
-    max_tokens = sampling_default("max_tokens") if body.max_tokens is None else body.max_tokens
+    # Left out, max_tokens is the default (the engine stops at the context's end); sent, it must
+    # also fit the context (check_room).
+    max_tokens = body.max_tokens if body.max_tokens is not None else (default_max_tokens
+                                                                       or sampling_default("max_tokens"))
     if max_tokens == 0 and not body.echo:
         raise APIError(400, "max_tokens 0 is only allowed with echo (the prompt and its logprobs)",
                        param="max_tokens")
@@ -98,6 +106,7 @@ class CompletionChoices:
     prompts: list[str | list[int]]
     texts: TokenTexts
     tokenizer: Any
+    stops: StopReasons
 
     def choice(self, index: int, c: Choice) -> CompletionChoice:
         body = self.body
@@ -110,7 +119,8 @@ class CompletionChoices:
         prompt_lps = (prompt_logprob_entries(self.texts, c.prompt_token_ids, c.prompt_logprobs)
                       if body.prompt_logprobs is not None else None)
         return CompletionChoice(index=index, text=echo + c.text, logprobs=logprobs,
-                                finish_reason=finish_reason(c.finish_reason), prompt_logprobs=prompt_lps)
+                                finish_reason=finish_reason(c.finish_reason), stop_reason=self.stops.of(c),
+                                prompt_logprobs=prompt_lps)
 
     def echo_text(self, prompt: str | list[int], ids: list[int]) -> str:
         if isinstance(prompt, str):
@@ -133,10 +143,12 @@ class CompletionStream(StreamFormat):
     def render_text(self, k: int, text: str) -> str:
         return self.render(CompletionChoice(index=k, text=text))
 
-    def event(self, k: int, text: str, finish: str | None, logprobs: CompletionLogprobs | None) -> str:
+    def event(self, k: int, text: str, finish: str | None, logprobs: CompletionLogprobs | None,
+              stop_reason: int | str | None = None) -> str:
         if finish is None and logprobs is None:
             return self.text_event(k, text)
-        return sse(self.render(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=finish)))
+        return sse(self.render(CompletionChoice(index=k, text=text, logprobs=logprobs, finish_reason=finish,
+                                                stop_reason=stop_reason)))
 
     def events(self, k: int, choice: Choice, out: RequestOutput) -> list[str]:
         events = []
@@ -155,5 +167,7 @@ class CompletionStream(StreamFormat):
                 lps = completion_logprobs(self.rendering.texts, context[-len(out.new_token_ids) - 1], out.logprobs,
                                           self.sent[k])
             self.sent[k] += len(out.text_delta)
-            events.append(self.event(k, out.text_delta, output_finish_reason(out), lps))
+            finish = output_finish_reason(out)
+            stop_reason = self.rendering.stops.of(choice) if finish else None
+            events.append(self.event(k, out.text_delta, finish, lps, stop_reason))
         return events

@@ -14,8 +14,9 @@ from tokenslice.server.errors import error_response
 from tokenslice.server.identity import Keyring
 
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # of an oversized body, read and dropped before the 413
-# Besides /v1/*, the routes that need the API key: they spend tokenizer time on the caller's text.
-KEYED_PATHS = ("/tokenize", "/detokenize")
+# Besides /v1/*, the routes that need the API key: they spend tokenizer time on the caller's text
+# (or show the tokenizer's settings).
+KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
 
 
 class APIKeyMiddleware:

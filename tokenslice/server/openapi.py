@@ -19,6 +19,7 @@ def error_docs() -> dict[int | str, dict[str, Any]]:
     return {
         400: {"model": ErrorResponse, "description": "Invalid request"},
         401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+        404: {"model": ErrorResponse, "description": "No such model (code model_not_found)"},
         413: {"model": ErrorResponse, "description": "Request body too large"},
         429: {"model": ErrorResponse, "description": "Too many requests waiting; see Retry-After"},
         500: {"model": ErrorResponse, "description": "Engine fault"},
@@ -45,12 +46,12 @@ def _narrow(prop: dict[str, Any], **schema: Any) -> None:
     prop.update(schema)
 
 
-def _model_name_schema(name: str) -> dict[str, Any]:
+def _model_name_schema(names: tuple[str, ...]) -> dict[str, Any]:
     # The served name defaults to --model, which may be a directory: the public schema must not
-    # show where the weights live, so a path-like name is documented as a plain string.
-    if os.sep in name or "/" in name or os.path.exists(name):
+    # show where the weights live, so path-like names are documented as a plain string.
+    if any(os.sep in name or "/" in name or os.path.exists(name) for name in names):
         return {"type": "string"}
-    return {"type": "string", "enum": [name]}
+    return {"type": "string", "enum": list(names)}
 
 
 def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: EngineInfo) -> None:
@@ -61,7 +62,7 @@ def _server_schema(schema: dict[str, Any], settings: ServerSettings, engine: Eng
     token = {"type": "integer", "minimum": 0, "maximum": engine.vocab_size - 1}
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = comps[name]["properties"]
-        _narrow(props["model"], anyOf=[_model_name_schema(settings.served_model_name), {"type": "null"}])
+        _narrow(props["model"], anyOf=[_model_name_schema(settings.model_names), {"type": "null"}])
         _narrow(props["stop"], anyOf=[{"type": "string", "minLength": 1},
                                       {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}])
         _narrow(props["stop_token_ids"], anyOf=[{"type": "array", "items": token}, {"type": "null"}])

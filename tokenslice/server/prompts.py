@@ -3,9 +3,11 @@ model's context before spending tokenizer time on it."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.sandbox
 
 from tokenslice.engine.protocol import EngineClient
 from tokenslice.request import InvalidRequestError
@@ -13,15 +15,46 @@ from tokenslice.server.errors import APIError
 from tokenslice.server.protocol import ChatMessage
 
 
-class PromptTokenizer:
-    """Tokenizes completion prompts (as the engine does) and renders chats through the model's
-    chat template."""
+# A --chat-template value with one of these is a template, not a file name (as vLLM decides).
+JINJA_CHARS = "{}\n"
 
-    def __init__(self, engine: EngineClient, served_model_name: str) -> None:
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's contents, or the value itself when it is a template (it has a
+    brace or a newline; escapes such as \\n are decoded, as vLLM does). ValueError when it looks
+    like a file name that cannot be read, or does not parse as Jinja."""
+    if value is None:
+        return None
+    try:
+        text = Path(value).read_text()
+    except (OSError, ValueError) as e:
+        if not any(c in value for c in JINJA_CHARS):
+            raise ValueError(f"--chat-template {value!r} looks like a file name, but it cannot be read: "
+                             f"{getattr(e, 'strerror', None) or e}") from None
+        # Escapes typed on a command line (\n) become the characters; other text stays as it is.
+        text = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    try:
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template is not a valid Jinja template: {e}") from None
+    return text
+
+
+class PromptTokenizer:
+    """Tokenizes completion prompts (as the engine does) and renders chats through the chat
+    template: `chat_template` (--chat-template) when given, else the model's own."""
+
+    def __init__(self, engine: EngineClient, served_model_name: str, chat_template: str | None = None) -> None:
         self.engine = engine
         self.info = engine.info
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
+        self.chat_template = chat_template
+
+    @property
+    def template(self) -> str | None:
+        """The chat template in use: --chat-template's, else the tokenizer's, else None."""
+        return self.chat_template or getattr(self.tokenizer, "chat_template", None) or None
 
     def check_room(self, ids: list[int], max_tokens: int | None, param: str) -> None:
         """An explicit output limit must fit the context after the prompt, as vLLM checks it; a
@@ -63,12 +96,12 @@ class PromptTokenizer:
 
     def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
                     add_special_tokens: bool = False) -> list[int]:
-        """Messages -> token ids through the model's chat template."""
+        """Messages -> token ids through the chat template."""
         tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        if tok is None or self.template is None:
             raise APIError(400, f"model {self.served_model_name!r} has no chat template, so it cannot "
-                                "serve /v1/chat/completions; use /v1/completions with a plain prompt",
-                           param="messages", code="chat_template_missing")
+                                "serve /v1/chat/completions; use /v1/completions with a plain prompt, or start "
+                                "the server with --chat-template", param="messages", code="chat_template_missing")
         conversation = []
         for i, m in enumerate(messages):
             entry: dict[str, Any] = {"role": m.role, "content": _message_text(m, i)}
@@ -76,7 +109,8 @@ class PromptTokenizer:
                 entry["name"] = m.name
             conversation.append(entry)
         try:
-            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+            text = tok.apply_chat_template(conversation, chat_template=self.template, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as e:
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from None
         self._check_length(text, "messages")

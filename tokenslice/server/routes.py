@@ -1,10 +1,11 @@
 """The routes besides generation: a live request's priority, the models, the scheduler's state
-(the live view's data, server/state.py), /tokenize and /detokenize, and the open probes
-(/health, /ping, /version, /metrics)."""
+(the live view's data, server/state.py), /tokenize, /detokenize and /tokenizer_info, and the open
+probes (/health, /ping, /version, /metrics)."""
 from __future__ import annotations
 
 import importlib.metadata
 import logging
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -17,8 +18,8 @@ from tokenslice.server.errors import APIError, engine_fault, engine_unavailable
 from tokenslice.server.identity import Tenant, tenant_of
 from tokenslice.server.openapi import error_docs
 from tokenslice.server.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                                        PriorityResponse, PriorityUpdate, TokenizeRequest, TokenizeResponse,
-                                        VersionResponse)
+                                        PriorityResponse, PriorityUpdate, TokenizeRequest, TokenizerInfoResponse,
+                                        TokenizeResponse, VersionResponse)
 from tokenslice.server.serving import Server
 from tokenslice.server.state import encode as encode_state
 from tokenslice.server.state import visible_state
@@ -43,14 +44,13 @@ def add_v1_routes(v1: APIRouter, server: Server) -> None:
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[model_card(server)])
+        return ModelList(data=[model_card(server, name) for name in server.settings.model_names])
 
     @v1.get("/models/{model_id:path}", response_model=ModelCard,
             responses={404: {"model": ErrorResponse, "description": "No such model"}})
     async def model(model_id: str) -> ModelCard:
-        if model_id != server.settings.served_model_name:
-            raise APIError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
-        return model_card(server)
+        server.check_model(model_id)
+        return model_card(server, model_id)
 
     @v1.get("/state", responses={200: {"description": "The scheduler's state for the live view (/dashboard)"}})
     async def state(request: Request) -> Response:
@@ -77,6 +77,10 @@ def add_utility_routes(app: FastAPI, server: Server) -> None:
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=error_docs())
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         return await detokenize_request(server, body)
+
+    @app.get("/tokenizer_info", response_model=TokenizerInfoResponse, responses=error_docs())
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenizer_config(server))
 
     @app.get("/health", responses={503: {"description": "The engine loop is not running"}})
     async def health() -> Response:
@@ -119,8 +123,37 @@ async def set_request_priority(server: Server, request_id: str, body: PriorityUp
     return PriorityResponse(id=request_id, priority=priority)
 
 
-def model_card(server: Server) -> ModelCard:
-    return ModelCard(id=server.settings.served_model_name, max_model_len=server.info.max_model_len)
+def model_card(server: Server, name: str) -> ModelCard:
+    """One served name as vLLM lists it: `root` is the model behind it."""
+    return ModelCard(id=name, root=server.settings.model_root or name, max_model_len=server.info.max_model_len)
+
+
+def tokenizer_config(server: Server) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: the tokenizer's init settings without file paths, its class, and the
+    chat template in use (lm-eval reads it to pick the tokenizer)."""
+    tok = server.tokenizer
+    if tok is None:
+        raise APIError(400, "this model has no tokenizer")
+    config = {k: _json_value(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items()
+              if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+    config["tokenizer_class"] = type(tok).__name__
+    template = server.prompts.template
+    if template:
+        config["chat_template"] = template
+    return config
+
+
+def _json_value(value: Any) -> Any:
+    """Settings as JSON: special tokens (AddedToken) by their text, other objects as strings."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
 
 
 async def tokenize_request(server: Server, body: TokenizeRequest) -> TokenizeResponse:

@@ -60,3 +60,11 @@ def logit_bias(bias: dict[str, float]) -> dict[int, float]:
 def check_stream_options(body: SamplingFields) -> None:
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+
+def check_logprobs(limit: int, **counts: int | None) -> None:
+    """Logprob alternatives asked for (by field name) within --max-logprobs, else 400 as vLLM."""
+    for param, k in counts.items():
+        if k is not None and k > limit:
+            raise APIError(400, f"{param} asks for {k} alternatives, more than this server's --max-logprobs "
+                                f"{limit}", param=param)

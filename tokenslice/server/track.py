@@ -30,6 +30,7 @@ class Track:
     finish_reason: str | None = None
     outcome: str = "ok"
     tenant: Tenant = OPERATOR  # who sent it: its API key's tenant (server/identity.py)
+    quiet: bool = False  # --disable-log-requests: log the line only when the request failed
 
     def account(self, choices: list[Choice]) -> None:
         """Usage of all choices: each prompt counted once (set at submission), every generated token."""
@@ -38,6 +39,8 @@ class Track:
         self.finish_reason = ",".join(reasons) or None
 
     def log(self) -> None:
+        if self.quiet and self.status < 400 and self.outcome == "ok":
+            return
         log.info("%s %s status=%d prompt_tokens=%d completion_tokens=%d finish=%s latency=%.3fs%s",
                  self.request_id, self.route, self.status, self.prompt_tokens, self.completion_tokens,
                  self.finish_reason, time.monotonic() - self.start,
@@ -51,7 +54,9 @@ class Track:
 
 def new_track(request: Request, prefix: str, route: str) -> Track:
     """A new request id (`{prefix}-{hex}`) and its track, left on the request for the error handlers."""
-    track = Track(f"{prefix}-{uuid.uuid4().hex}", route, time.monotonic())
+    server = getattr(request.app.state, "server", None)
+    quiet = server is not None and not server.settings.log_requests
+    track = Track(f"{prefix}-{uuid.uuid4().hex}", route, time.monotonic(), quiet=quiet)
     track.tenant = tenant_of(request.state)
     request.state.track = track  # the error handlers log with it
     return track

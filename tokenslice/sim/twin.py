@@ -91,6 +91,7 @@ class TwinSpec:
     output_len: int = 128
     server_threads: int | None = 1  # torch threads in the server (one: immune to a busy neighbour)
     url: str | None = None  # an already running tokenslice server (one policy); None: start servers
+    port: int | None = None  # the started servers' port (they run one at a time); None: a free port each
     server_step_trace: str | None = None  # with `url`: the file its --step-trace writes (None: no step data)
     step_trace_dir: str | None = None  # keep the servers' step traces here (None: a temporary directory)
     serving_path: bool = True  # model the HTTP path in the simulator (False: the bare engine)
@@ -205,7 +206,8 @@ class TwinServer:
         self.trace = trace
         self.server: ServerProcess | None = None
         if spec.url is None:
-            self.server = ServerProcess(ServerSpec(model=spec.model, args=args, threads=spec.server_threads), policy)
+            self.server = ServerProcess(ServerSpec(model=spec.model, args=args, threads=spec.server_threads), policy,
+                                        port=spec.port)
             self.server.wait_ready()
             url = self.server.url
         else:
