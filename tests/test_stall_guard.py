@@ -162,3 +162,26 @@ def test_outputs_are_identical_with_the_guard_on_and_off() -> None:
     assert outs[0] == outs[1]
     # Off, started streams were paused; on with a 1 ms bound, every started stream is protected.
     assert preempted[0] > 0 and preempted[1] == 0
+
+
+def test_prometheus_reports_reader_stall_and_started_preemptions() -> None:
+    from prometheus_client import generate_latest
+
+    from tokenslice.engine.protocol import EngineStats
+    from tokenslice.request import RequestMetrics, RequestOutput
+    from tokenslice.sched.stats import SchedulerStats
+    from tokenslice.server.metrics import ServerMetrics
+
+    stats = SchedulerStats()
+    m = RequestMetrics(arrival_time=0.0)
+    stats.record_preemption(m, started=False)
+    stats.record_preemption(m, started=True)
+    for t in (1.0, 1.1, 3.0):  # a reader at 2 tokens/s waits 1.0 s for the third token
+        m.add_token_time(t, 2.0)
+    m.finish_time = 3.0
+    sm = ServerMetrics("m", stats=lambda: EngineStats(scheduler=stats), queued=lambda: 0)
+    sm.observe(RequestOutput("r", [7], "", True, "stop", 1, 3, m))
+    text = generate_latest(sm.registry).decode()
+    assert 'tokenslice:request_stall_seconds_sum{model_name="m"} 1.0' in text
+    assert 'tokenslice:num_started_preemptions_total{model_name="m"} 1.0' in text
+    assert m.started_preemptions == 1 and m.preemptions == 2

@@ -19,7 +19,9 @@ Protocol, fixed before any run:
   --no-block-groups: one copy per block, --no-enable-prefix-caching: no host copies kept);
   +groups (block groups); +reuse (prefix caching on: a request swapped out again copies only
   what its host copy lacks, later turns reuse cached KV); +async = full FastSwitch
-  (proactive-swap: swaps overlap compute).
+  (proactive-swap: swaps overlap compute); +guard = full FastSwitch with the stall guard on
+  (docs/DESIGN.md: a 10 tokens/s reader's timeline and --max-stall-ms 250), compared with the
+  baseline on the same tails (the stall issue's check: P99.9 TBT >= 3x better).
 - Reported per (profile, pattern, freq, variant): P95/P99/P99.9 TTFT over all turns, P99.9 TBT
   over every inter-token gap, swap-out blocks (and, with prefix caching, cached blocks offloaded
   to host when evicted from device: device->host traffic too), copy operations (both directions,
@@ -76,17 +78,22 @@ class Variant:
     preemption: str
     block_groups: bool
     prefix_caching: bool
+    stall_guard: str = "off"  # docs/DESIGN.md, Stall guard: a 10 tokens/s reader's timeline ...
+    max_stall_ms: float | None = None  # ... and a hard bound on the gap between two tokens
 
 
+GUARD_MAX_STALL_MS = 250.0
 VARIANTS = (Variant("baseline", "reactive-swap", False, False), Variant("+groups", "reactive-swap", True, False),
-            Variant("+reuse", "reactive-swap", True, True), Variant("+async", "proactive-swap", True, True))
+            Variant("+reuse", "reactive-swap", True, True), Variant("+async", "proactive-swap", True, True),
+            Variant("+guard", "proactive-swap", True, True, "on", GUARD_MAX_STALL_MS))
 TAILS = ("p95_ttft", "p99_ttft", "p999_ttft", "p999_tbt")
 
 
 def run_one(convs: list[list[Turn]], profile: str, kv_blocks: int, host_blocks: int, conv_rate: float,
             pattern: str, freq: float, v: Variant, seed: int) -> dict[str, Any]:
     cost = load_cost_model(profile)
-    cfg = SchedulerConfig(policy="priority", preemption=v.preemption, max_batch_size=MAX_BATCH)
+    cfg = SchedulerConfig(policy="priority", preemption=v.preemption, max_batch_size=MAX_BATCH,
+                          stall_guard=v.stall_guard, max_stall_ms=v.max_stall_ms)
     eng = simulated_engine(cfg, cost, kv_cache_blocks=kv_blocks, block_size=BLOCK, host_kv_blocks=host_blocks,
                            max_model_len=CONTEXT, enable_prefix_caching=v.prefix_caching, block_groups=v.block_groups)
     updates = PriorityUpdates(PriorityPattern(pattern, freq, seed=seed))
@@ -153,10 +160,13 @@ def main() -> None:
                     base, full = cell["variants"]["baseline"], cell["variants"]["+async"]
                     ratio = {k: base[k] / full[k] if full[k] > 0 else None for k in TAILS}
                     cut = {k: 1 - full[k] / base[k] if base[k] > 0 else None for k in ("swap_out_blocks", "swap_ops")}
+                    guard = cell["variants"]["+guard"]
+                    cell["baseline_over_guard"] = {k: base[k] / guard[k] if guard[k] > 0 else None for k in TAILS}
                     cell["baseline_over_full"], cell["cut"] = ratio, cut
                     out["settings"].append(cell)
                     say(f"{'':14s}baseline/full: " + "  ".join(f"{k} {_x(ratio[k])}" for k in TAILS)
                         + "  | cut: " + "  ".join(f"{k} {_pct(cut[k])}" for k in cut))
+                    say(f"{'':14s}baseline/+guard: " + "  ".join(f"{k} {_x(cell['baseline_over_guard'][k])}" for k in TAILS))
     say(f"\nwall {time.time() - t0:.0f}s")
     name = f"fastswitch_sim_n{a.conversations}_seed{a.seed}"
     RESULTS.mkdir(parents=True, exist_ok=True)

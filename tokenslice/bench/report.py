@@ -245,7 +245,9 @@ def plot_results(results: Sequence[Mapping[str, Any]], out: str | Path, names: S
                 v = np.mean([c["v"] for c in cdfs], axis=0)
                 tail = 1.0 - np.asarray(cdfs[0]["q"], dtype=float)
                 keep = tail > 0  # the maximum has no place on a log axis
-                ax.plot(np.maximum(v[keep], 1e-9) * 1e3, tail[keep], color=colors[s.label], label=s.label)
+                stall = s.mean(focus, "stall_s")  # the reader's wait (docs/DESIGN.md, Stall guard)
+                label = s.label if stall is None else f"{s.label} (reader stall {stall:.3g} s)"
+                ax.plot(np.maximum(v[keep], 1e-9) * 1e3, tail[keep], color=colors[s.label], label=label)
         # Log-log complementary CDF: nearly every gap is one decode step; the tail is the story.
         ax.set_xscale("log")
         ax.set_yscale("log")
