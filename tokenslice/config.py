@@ -79,12 +79,16 @@ class ModelConfig:
     # Keep the decode rows' block tables between steps and update what changed (vLLM v1's
     # persistent batch, model/input_batch.py); off: rebuild them from every plan (the reference).
     persistent_batch: bool = True
-    # Decode-only steps as compiled code (model/compiled_decode.py). CPU: torch.compile (inductor),
-    # 15-40 s of compilation at start-up; None: on for `tokenslice serve` (a long-lived server
-    # pays it once for 2-3x faster small-model steps), off for the Python API and one-off commands.
+    # Decode-only steps as compiled code (model/compiled_decode.py). CPU: torch.compile (inductor)
+    # of one decoder layer, a minute or more cold on 2 cores, seconds warm (its cache in
+    # ~/.cache/tokenslice); None: on for `tokenslice serve` (a long-lived server gets 2-3x faster
+    # small-model steps), off for the Python API and one-off commands.
     # CUDA: graphs per batch and context bucket, captured at start-up; cuda_graphs has no effect
     # on CPU, compile none on CUDA.
     compile: bool | None = None
+    # CPU: build the compiled steps on a thread while steps run eager, so a server answers within
+    # seconds; off: before the first step. None: on for `tokenslice serve`, off otherwise.
+    compile_in_background: bool | None = None
     cuda_graphs: bool = True
     quantization: str = field(default="auto", metadata={"choices": QUANTIZATIONS})
     attention_backend: str = field(default="auto", metadata={"choices": ATTENTION_BACKENDS})

@@ -5,13 +5,16 @@ import argparse
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 from tokenslice.cli.args import add_engine_args, add_field_flag, engine_config_from_args
 from tokenslice.cli.serve_options import add_server_options, resolve_model_tag, server_settings, uvicorn_options
 from tokenslice.cli.vllm_flags import add_vllm_compat_flags, log_vllm_notes
-from tokenslice.config import CpuConfig, EngineConfig
+from tokenslice.config import CpuConfig, EngineConfig, ModelConfig
 from tokenslice.server.settings import ServerSettings
+
+log = logging.getLogger("tokenslice.cli.serve")
 
 # After the engine's death, open connections get this long to finish (their streams already
 # got their error) before the server stops: `serve` then exits non-zero within a few seconds.
@@ -19,17 +22,19 @@ DEAD_ENGINE_GRACE_S = 1.0
 
 
 def serve_engine_config(a: argparse.Namespace) -> EngineConfig:
-    """`serve`'s engine: the flags, with compiled decode on unless --no-compile (ModelConfig.compile)."""
+    """`serve`'s engine: the flags, with compiled decode on unless --no-compile (ModelConfig.compile),
+    built in the background unless --no-compile-in-background."""
     config = engine_config_from_args(a)
     if config.model.compile is None:
         config.model.compile = True
+    if config.model.compile_in_background is None:
+        config.model.compile_in_background = True
     return config
 
 
 def serve_app_from_args(a: argparse.Namespace) -> Any:
     """The FastAPI app `serve` runs (tests start it the same way). With --engine-process (the
     default) the engine core starts here, in its own process, and is ready when this returns."""
-    from tokenslice.server.app import create_app
     from tokenslice.server.identity import load_keyring
     from tokenslice.server.vllm_metrics import cache_info_labels
 
@@ -48,14 +53,36 @@ def serve_app_from_args(a: argparse.Namespace) -> Any:
     if settings.engine_process:
         from tokenslice.engine.core_client import EngineCoreClient
 
+        warming = warm_api_server(config)
         engine = EngineCoreClient(config, max_waiting=settings.max_waiting,
                                   log_level=logging.getLogger().getEffectiveLevel(), cpus=cpu_plan_from_args(a))
+        warming.join()
     else:
         from tokenslice.engine.async_engine import AsyncEngine
         from tokenslice.engine.engine import Engine
 
         engine = AsyncEngine(Engine.from_config(config), max_waiting=settings.max_waiting)
+    from tokenslice.server.app import create_app
+
     return create_app(engine, settings)
+
+
+def warm_api_server(config: EngineConfig) -> threading.Thread:
+    """While the engine core starts (its own process, on the other CPUs), import the HTTP server's
+    modules and load the tokenizer once (transformers' imports), all of which would otherwise
+    wait until the core is ready: seconds of start-up on 2 CPUs (benchmarks/startup)."""
+    def warm() -> None:
+        try:
+            import tokenslice.server.app  # noqa: F401
+            from tokenslice.model.loader import load_tokenizer
+
+            load_tokenizer(config.model.tokenizer or config.model.model)
+        except Exception:  # the engine's own start reports what is wrong
+            log.debug("warming the API server's imports failed", exc_info=True)
+
+    thread = threading.Thread(target=warm, name="tokenslice-warm-api", daemon=True)
+    thread.start()
+    return thread
 
 
 def cpu_plan_from_args(a: argparse.Namespace) -> Any:
@@ -129,6 +156,10 @@ def add_subcommand(sub: Any) -> None:
     add_field_flag(s, ServerSettings, "max_waiting",
                    help="requests allowed to wait for their first token; more get 429 with Retry-After")
     add_field_flag(s, ServerSettings, "max_body_bytes", help="larger request bodies get 413")
+    add_field_flag(s, ModelConfig, "compile_in_background", action=argparse.BooleanOptionalAction,
+                   help="CPU: serve at once with eager decode steps and swap compiled ones in as they are built "
+                        "(the default; /v1/state's compiled_decode says when); --no-compile-in-background: "
+                        "build them before serving")
     add_field_flag(s, ServerSettings, "engine_process", action=argparse.BooleanOptionalAction,
                    help="run the engine core in its own process, the default (HTTP work then never holds its "
                         "interpreter lock); --no-engine-process: on a thread of the server process")

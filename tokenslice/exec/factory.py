@@ -4,6 +4,7 @@ process per rank, or one Ray actor per rank), the tokenizer, and the KV pool siz
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,16 @@ def start_model(config: EngineConfig, host_tier: bool) -> ModelSide:
     the preemption strategy swaps, so size a host KV pool too."""
     if config.parallel.multiproc or config.parallel.executor == "ray":
         return _start_workers(config, host_tier)
+    t0 = time.perf_counter()
+    log.info("loading the model %s (code, weights, tokenizer)", config.model.model)
     from tokenslice.exec.local import LocalExecutor
     from tokenslice.model.loader import load_model
     from tokenslice.model.runner import ModelRunner, num_host_kv_blocks, num_kv_blocks
 
     loaded = load_model(config.model)
+    log.info("model loaded in %.1f s: %s, %.0f M parameters, %s on %s", time.perf_counter() - t0,
+             loaded.arch.architecture, sum(p.numel() for p in loaded.model.parameters()) / 1e6,
+             str(loaded.dtype).removeprefix("torch."), loaded.device)
     limit = loaded.arch.max_position_embeddings
     max_len = min(config.model.max_model_len or limit, limit)
     blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
@@ -53,7 +59,8 @@ def start_model(config: EngineConfig, host_tier: bool) -> ModelSide:
                          num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype,
                          persistent_batch=config.model.persistent_batch, compile=bool(config.model.compile),
                          cuda_graphs=config.model.cuda_graphs, max_batch_size=config.scheduler.max_batch_size,
-                         max_model_len=max_len, attention_backend=config.model.attention_backend)
+                         max_model_len=max_len, attention_backend=config.model.attention_backend,
+                         compile_in_background=bool(config.model.compile_in_background))
     return ModelSide(LocalExecutor(runner), loaded.arch, loaded.tokenizer, loaded.name, max_len, blocks,
                      host_blocks, runner.host_block_bytes, runner)
 
@@ -93,6 +100,9 @@ def _start_workers(config: EngineConfig, host_tier: bool) -> ModelSide:
     limit = arch.max_position_embeddings
     max_len = min(config.model.max_model_len or limit, limit)
     tokenizer = model_tokenizer(config.model, arch)
+    t0 = time.perf_counter()
+    log.info("starting %d %s worker(s)", par.tensor_parallel_size * par.pipeline_parallel_size,
+             "Ray" if par.executor == "ray" else "process")
     sizes = dict(max_model_len=max_len, max_batch_size=config.scheduler.max_batch_size, host_tier=host_tier,
                  pp_size=par.pipeline_parallel_size, pp_layers=par.stage_layers)
     if par.executor == "ray":
@@ -104,5 +114,7 @@ def _start_workers(config: EngineConfig, host_tier: bool) -> ModelSide:
         from tokenslice.exec.multiproc import MultiprocExecutor
 
         ex = MultiprocExecutor(config.model, config.cache, par.tensor_parallel_size, **sizes)
+    log.info("%d worker(s) ready in %.1f s", par.tensor_parallel_size * par.pipeline_parallel_size,
+             time.perf_counter() - t0)
     return ModelSide(ex, arch, tokenizer, str(Path(config.model.model)), max_len, ex.num_blocks,
                      ex.num_host_blocks, ex.host_block_bytes)

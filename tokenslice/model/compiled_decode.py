@@ -1,26 +1,26 @@
 """Compiled decode: a decode-only step (forward + LM head) run as compiled code instead of
 op-by-op eager PyTorch, whose per-operator dispatch dominates small models' steps.
 
-- CPU: torch.compile (inductor's C++/OpenMP kernels), two graphs compiled at start-up: one for
-  a batch of 1, one for any larger batch (the row count a dynamic dimension; not for models
-  whose linears are oneDNN-packed, whose multi-row steps run faster eager). The context length
-  is dynamic in both: no shape met later compiles again, and no row or key is padded beyond
-  whole blocks. (Static shapes per bucket
-  compiled again at every new context bucket: seconds mid-stream, and 4x slower steps behind
-  serve on average. A batch dimension of size 1 would be specialized, hence its own graph.)
+- CPU: torch.compile (inductor) of one decoder layer reused for all layers, a graph for one row
+  and one for any larger batch (model/inductor_decode.py; not for models whose linears are
+  oneDNN-packed, whose multi-row steps run faster eager). Built before the first step, or on a
+  thread while steps run eager (`serve`: it answers within seconds). The context length is
+  dynamic: no shape met later compiles again, and no row or key is padded beyond whole blocks.
+  (Static shapes per bucket compiled again at every new context bucket: seconds mid-stream, and
+  4x slower steps behind serve on average.)
 - CUDA: CUDA graphs captured at start-up and replayed with the step's inputs copied into static
   buffers (vLLM's decode graphs), the batch padded to a power of two by repeating row 0 (whose
   K/V write then lands twice in the same slot with the same value). With the triton attention
   backend the kernels read each row's context in place up to its length, so one graph per
   batch bucket serves every context (block tables padded to the longest context). With sdpa
   the context is gathered, so there is a graph per batch and context bucket (a power of two
-  blocks; the mask hides the padding). A step larger than every bucket runs eager.
+  blocks; the mask hides the padding). A step larger than every bucket runs eager. Captured
+  before serving: a capture writes block 0, which a live request may own.
 
-Neither the compiler nor a graph may copy the KV pool. On CPU the graph only reads it: attention
-(attention.traced_decode_attention) gathers each row's context through its slots, with the row's
-own new K/V in place of its stale slot; the graph returns the new K/V and one index_copy_ then
-writes them for all layers. A CUDA graph keeps the write and attention in one opaque operator
-(attention.decode_attention). Mixed steps (prefill rows) always run eager.
+Neither the compiler nor a graph may copy the KV pool. On CPU the graph only reads it and
+returns the new K/V, which one index_copy_ then writes for all layers. A CUDA graph keeps the
+write and attention in one opaque operator (attention.decode_attention). Mixed steps (prefill
+rows) always run eager.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from tokenslice.model.attention import AttentionMetadata, decode_slots, step_metadata
+from tokenslice.model.inductor_decode import CompileStatus, InductorDecode, decoder_parts
 from tokenslice.model.input_batch import DecodeInputs
 from tokenslice.model.layers import InputMajorLinear
 from tokenslice.model.quant import QuantizedLinear
@@ -46,15 +47,6 @@ def buckets(limit: int, start: int = 1) -> list[int]:
     while out[-1] < limit:
         out.append(out[-1] * 2)
     return out
-
-
-def _traced_decode(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, dec_slots: torch.Tensor,
-                   kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and the step's new K/V, [layers, 2, D, KVH, hd]; the pool is only read."""
-    meta = AttentionMetadata(positions=positions, slots=positions, num_decode=input_ids.shape[0],  # slots: unused
-                             dec_slots=dec_slots, dec_len=dec_slots.shape[1], new_kv=[])
-    logits = model.compute_logits(model(input_ids, meta, kv))
-    return logits, torch.stack(meta.new_kv)
 
 
 def _decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -74,7 +66,7 @@ def _paged_decode_logits(model: nn.Module, input_ids: torch.Tensor, positions: t
 
 class CompiledDecode:
     def __init__(self, model: nn.Module, kv: torch.Tensor, block_size: int, device: torch.device,
-                 max_batch_size: int, max_model_len: int, backend: str = "sdpa") -> None:
+                 max_batch_size: int, max_model_len: int, backend: str = "sdpa", background: bool = False) -> None:
         self.model, self.kv, self.block_size, self.device = model, kv, block_size, device
         self.backend = backend
         self.graphs: dict[tuple[int, int], _Graph | _PagedGraph] = {}
@@ -84,41 +76,61 @@ class CompiledDecode:
         self.max_blocks = -(-max_model_len // block_size)
         self.ctx_buckets = ([self.max_blocks * block_size] if backend == "triton"
                             else buckets(max_model_len, block_size))
+        self.inductor: InductorDecode | None = None
         if device.type == "cuda":
             t0 = time.perf_counter()
+            log.info("capturing CUDA graphs: %d batch x %d context bucket(s)", len(self.batch_buckets),
+                     len(self.ctx_buckets))
             self._capture_all()
             log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - t0)
+            return
+        # Multi-row steps stay eager where oneDNN's packed linears serve them (layers.py): with
+        # those GEMMs and eager SDPA the 24M Llama served 16 streams 10-20% faster than
+        # compiled (docs/benchmarks/decode-speed-and-llamacpp.md, "Compiled decode"); one row is faster compiled everywhere.
+        # Likewise quantized linears with a bf16 copy for many rows (model/quant.py): compiled
+        # code would always take the packed kernel, whose cost grows with every row.
+        self.multi_row = max_batch_size > 1 and not any(
+            (isinstance(m, InputMajorLinear) and m.packed is not None) or (isinstance(m, QuantizedLinear) and m.dense is not None)
+            for m in model.modules())
+        parts = decoder_parts(model)
+        if parts is None:
+            log.warning("no compiled decode for %s: its steps run eager", type(model).__name__)
+            return
+        self.inductor = InductorDecode(parts, kv, block_size, self.multi_row)
+        if background:
+            self.inductor.start()
         else:
-            # Multi-row steps stay eager where oneDNN's packed linears serve them (layers.py): with
-            # those GEMMs and eager SDPA the 24M Llama served 16 streams 10-20% faster than
-            # compiled (docs/benchmarks/decode-speed-and-llamacpp.md, "Compiled decode"); one row is faster compiled everywhere.
-            # Likewise quantized linears with a bf16 copy for many rows (model/quant.py): compiled
-            # code would always take the packed kernel, whose cost grows with every row.
-            self.multi_row = not any((isinstance(m, InputMajorLinear) and m.packed is not None)
-                                     or (isinstance(m, QuantizedLinear) and m.dense is not None)
-                                     for m in model.modules())
-            log.info("compiling decode steps (torch.compile, at start-up only; --no-compile skips it)")
-            t0 = time.perf_counter()
-            # dynamic=False: only the dimensions _warm_up marks are dynamic.
-            self._warm_up(torch.compile(self._traced, dynamic=False), max_batch_size if self.multi_row else 1)
-            log.info("decode steps compiled in %.1f s", time.perf_counter() - t0)
-            # From here on only those graphs run: a step they do not take runs eager instead of
-            # compiling mid-stream, and no step pays for marking dimensions again.
-            self._fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch._dynamo.run(self._traced)
+            self.inductor.build()
+
+    @property
+    def status(self) -> CompileStatus:
+        """The CPU build's progress (CUDA graphs are captured before serving: always ready)."""
+        if self.inductor is not None:
+            return self.inductor.status
+        return CompileStatus("ready" if self.graphs else "off", len(self.graphs), len(self.graphs))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every bucket is built (or the build failed); False on timeout."""
+        return self.inductor.wait(timeout) if self.inductor is not None else True
+
+    def close(self) -> None:
+        """Stop a background build (after the bucket it compiles)."""
+        if self.inductor is not None:
+            self.inductor.close()
 
     def _eager(self, *args: torch.Tensor) -> torch.Tensor:
         return _decode_logits(self.model, *args)
 
-    def _traced(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _traced_decode(self.model, *args)
-
     def logits(self, dec: DecodeInputs) -> torch.Tensor | None:
         """[D, vocab] logits of a decode-only step, or None where no compiled shape fits it."""
         if self.device.type != "cuda":
-            if len(dec.positions) > 1 and not self.multi_row:
+            if self.inductor is None or (len(dec.positions) > 1 and not self.multi_row):
                 return None
             ids, positions, slots, dec_slots = self._inputs(dec)
-            logits, new_kv = self._fn(ids, positions, dec_slots, self.kv)
+            out = self.inductor.step(ids, positions, dec_slots)
+            if out is None:  # its bucket is still being built: eager
+                return None
+            logits, new_kv = out
             layers, _, blocks, bs, kvh, hd = self.kv.shape
             self.kv.view(layers, 2, blocks * bs, kvh, hd).index_copy_(2, slots, new_kv)
             return logits
@@ -149,18 +161,6 @@ class CompiledDecode:
         meta = step_metadata(dec, [], bs, self.device, width * bs)
         assert meta.dec_slots is not None
         return torch.from_numpy(dec.token_ids), meta.positions, meta.slots, meta.dec_slots.view(d, width * bs)
-
-    @torch.inference_mode()
-    def _warm_up(self, compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]], max_batch_size: int) -> None:
-        """Compile both graphs now, before any request: met mid-stream, a compilation (seconds)
-        would stall every running request. The graphs write nothing."""
-        for d in (1, 2)[:max_batch_size]:
-            ids, positions, _slots, dec_slots = self._inputs(
-                DecodeInputs(np.zeros(d, dtype=np.int64), np.ones(d, dtype=np.int64), np.zeros((d, 1), dtype=np.int64)))
-            for t in (ids, positions, dec_slots) if d > 1 else ():  # the rows
-                torch._dynamo.mark_dynamic(t, 0)
-            torch._dynamo.mark_dynamic(dec_slots, 1)  # the keys
-            compiled(ids, positions, dec_slots, self.kv)
 
 
 def _pad(dec: DecodeInputs, rows: int, width: int) -> DecodeInputs:

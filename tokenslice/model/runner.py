@@ -16,16 +16,19 @@ threads; on CUDA on side streams ordered after the compute that wrote the KV.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from tokenslice.config import OFFLOAD_DTYPES, CacheConfig
 from tokenslice.model.arch import ArchConfig
 from tokenslice.model.attention import build_metadata, resolve_attention_backend, step_metadata
 from tokenslice.model.compiled_decode import CompiledDecode
+from tokenslice.model.inductor_decode import CompileStatus
 from tokenslice.model.input_batch import DecodeBatch, decode_inputs
 from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quantize_blocks, quantized_block_bytes
 from tokenslice.model.llama import HiddenCapture
@@ -36,6 +39,17 @@ from tokenslice.model.sampler import Sampler
 from tokenslice.model.transfer import TransferEngine
 from tokenslice.plan import BlockTransfer, Direction, StepPlan, StepResult, copy_runs
 
+log = logging.getLogger(__name__)
+
+
+def zeroed_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV pool (padded attention slots read unwritten blocks and must not hold NaNs). On
+    CPU from calloc (numpy): the kernel maps zero pages as they are first touched, so a pool of
+    gigabytes costs nothing at start-up (torch.zeros writes every page: seconds)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def available_memory_bytes(device: torch.device) -> int:
@@ -84,7 +98,7 @@ class ModelRunner:
                  num_host_blocks: int = 0, offload_dtype: str = "auto", transfer_threads: int = 2,
                  pipe: StagePipe | None = None, persistent_batch: bool = True, compile: bool = False,
                  cuda_graphs: bool = False, max_batch_size: int = 64, max_model_len: int = 2048,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", compile_in_background: bool = False) -> None:
         if offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"offload_dtype must be one of {', '.join(OFFLOAD_DTYPES)}, got {offload_dtype!r}")
         if num_host_blocks < 0:
@@ -96,9 +110,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.attention_backend = resolve_attention_backend(attention_backend, self.device, a.head_dim)
-        # Zeroed: padded attention slots read unwritten blocks and must not hold NaNs.
-        self.kv = torch.zeros(a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim,
-                              dtype=self.dtype, device=self.device)
+        t0 = time.perf_counter()
+        self.kv = zeroed_kv((a.num_layers, 2, num_blocks, block_size, a.num_kv_heads, a.head_dim), self.dtype, self.device)
         self.num_host_blocks = num_host_blocks
         self.offload_dtype = offload_dtype
         self.host_block_bytes = host_block_bytes(a, block_size, self.dtype, offload_dtype)
@@ -113,6 +126,9 @@ class ModelRunner:
         # then one slice [:, s:s+n], and each row of it is contiguous (one DMA on CUDA).
         self._kv_rows = self.kv.flatten(0, 1)
         self._host_rows = tuple(h.flatten(0, 1) for h in self.host)
+        log.info("KV cache: %d blocks of %d tokens (%.0f MiB) on %s, %d host blocks (%.0f MiB), in %.1f s",
+                 num_blocks, block_size, self.kv.nbytes / 2**20, self.device, num_host_blocks,
+                 sum(h.nbytes for h in self.host) / 2**20, time.perf_counter() - t0)
         self.transfer_threads = transfer_threads
         self._engine: TransferEngine | None = None  # started by the first async transfer
         self._streams: dict[str, torch.cuda.Stream] = {}  # CUDA side streams, one per direction
@@ -133,7 +149,7 @@ class ModelRunner:
         on_cuda = self.device.type == "cuda"
         if pipe is None and (cuda_graphs if on_cuda else compile and self.attention_backend == "sdpa"):
             self.compiled = CompiledDecode(self.model, self.kv, block_size, self.device, max_batch_size,
-                                           max_model_len, self.attention_backend)
+                                           max_model_len, self.attention_backend, background=compile_in_background)
         self.prep_seconds = 0.0  # summed time turning plans into tensors (overhead accounting)
         # The data plane's own record of what it copied (sync and async), for its tests and the
         # bandwidth benchmark: tensor copy calls issued (per run, per host tensor, per layer row on
@@ -142,6 +158,10 @@ class ModelRunner:
         self.copy_calls = 0
         self.copied_out_bytes = 0
         self.copied_in_bytes = 0
+
+    def compile_status(self) -> CompileStatus:
+        """Compiled decode's progress: off, pending (being built; steps run eager), ready, failed."""
+        return self.compiled.status if self.compiled is not None else CompileStatus("off", 0, 0)
 
     @property
     def block_bytes(self) -> int:
@@ -384,7 +404,10 @@ class ModelRunner:
         return self._engine.pending() if self._engine is not None else 0
 
     def close(self) -> None:
-        """Let queued transfers finish and stop the transfer threads. Idempotent."""
+        """Let queued transfers finish and stop the transfer threads and a background compilation.
+        Idempotent."""
+        if self.compiled is not None:
+            self.compiled.close()
         if self._engine is not None:
             self._engine.close()
 
