@@ -3,6 +3,7 @@ self_refine.py, online.py): capture leaves outputs unchanged and returns the sta
 forward computes, the head learns online, refinement keeps to its budget, srpt-predicted re-ranks."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +203,39 @@ def test_engine_loads_a_self_head_and_refines_live_predictions(tmp_path: Path) -
     fitted_head(layer=50, hidden=hidden).save(tmp_path / SELF_HEAD_FILE)
     with pytest.raises(ValueError, match="layer 50"):
         LLM(str(STORIES), dtype="float32", length_predictor=str(tmp_path))
+
+
+def test_refinements_are_recorded_and_the_simulator_replays_them(tmp_path: Path) -> None:
+    from test_scheduler import COST, Item
+
+    from tokenslice.config import SchedulerConfig
+    from tokenslice.predict.recorded import RecordedRefinements
+    from tokenslice.sim.engine import simulated_engine
+    from tokenslice.sim.replay import replay
+
+    probe = LLM(str(STORIES), dtype="float32")
+    hidden = probe.engine.runner.model.arch.hidden_size
+    probe.close()
+    fitted_head(layer=1, hidden=hidden, refine_every=8).save(tmp_path / SELF_HEAD_FILE)
+    record = tmp_path / "refinements.jsonl"
+    with LLM(str(STORIES), dtype="float32", policy="srpt-predicted", length_predictor=str(tmp_path),
+             length_predictor_record=str(record)) as llm:
+        llm.generate(PROMPTS[:1], GREEDY)
+    lines = [json.loads(x) for x in record.read_text().splitlines()]
+    assert [x["output_tokens"] for x in lines] == [0, 8, 16] and {x["id"] for x in lines} == {"req-0"}
+    # The simulator has no hidden states: it replays the recording, each point once the request passed it.
+    record.write_text("".join(json.dumps({"id": "a", "output_tokens": t, "predicted_output_tokens": p}) + "\n"
+                              for t, p in ((0, 30), (8, 50), (16, 20))))
+    eng = simulated_engine(SchedulerConfig(policy="srpt-predicted", max_batch_size=4), COST, kv_cache_blocks=1000)
+    eng.fast_forward = False  # one step at a time: each point lands on the step after its capture
+    eng.lengths = RecordedRefinements.load(record)
+    seen: dict[int, int] = {}
+
+    def watch(_now: float) -> None:
+        req = eng.scheduler.requests.get("a")
+        if req is not None:
+            seen[req.num_output_tokens] = eng.scheduler.policy.predicted["a"]
+
+    replay(eng, [Item("a", 0.0, 10, 40)], on_advance=watch)
+    assert seen[1] == 30 and seen[8] == 30 and seen[9] == 50 and seen[17] == 20 and seen[39] == 40
+    assert eng.lengths.num_applied == 3

@@ -1,4 +1,5 @@
-"""`tokenslice predictor build` and `predictor eval`: the output-length predictor (ALISE §3.1)."""
+"""`tokenslice predictor build`, `build-self` and `eval`: the output-length predictors (ALISE §3.1;
+the self length head on the served model's own hidden states, predict/self_head.py)."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +62,33 @@ def cmd_predictor_eval(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_predictor_build_self(a: argparse.Namespace) -> int:
+    """A self length head (predict/self_head.py) fitted on recorded hidden states."""
+    from pathlib import Path
+
+    from tokenslice.bench.length_self import fit_head, load_rows, spearman_at
+    from tokenslice.predict.self_head import SELF_HEAD_FILE, SelfHeadConfig
+
+    try:
+        rows = load_rows(a.features, a.layer)
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
+    train = rows if a.split == "all" else rows.where(rows.split == a.split)
+    out = Path(a.out)
+    if (out / SELF_HEAD_FILE).exists():
+        raise ValueError(f"{out} already holds a self length head")
+    cfg = SelfHeadConfig(layer=a.layer, hidden_size=rows.hidden.shape[1], ridge=a.ridge, refine_every=a.refine_every,
+                         budget_s=a.budget_ms / 1000, blend_weight=a.blend_weight)
+    head = fit_head(train, cfg)
+    out.mkdir(mode=0o700, parents=True, exist_ok=True)
+    head.save(out / SELF_HEAD_FILE)
+    fitted = spearman_at(head, train, 0).get("all", {})
+    print(f"fitted a layer-{a.layer} head on {len(train)} rows ({a.split}) of {a.features}; "
+          f"in-sample Spearman at arrival {fitted.get('spearman') or float('nan'):.3f}")
+    print(f"wrote {out / SELF_HEAD_FILE} (use it as: tokenslice serve --length-predictor {out} ...)")
+    return 0
+
+
 def _add_dataset_args(q: argparse.ArgumentParser) -> None:
     q.add_argument("--dataset", required=True, help="Alpaca or ShareGPT JSON file")
     q.add_argument("--tokenizer", required=True, help="tokenizer directory that counts output tokens")
@@ -86,6 +114,19 @@ def add_subcommand(sub: Any) -> None:
     b.add_argument("--retrain-every", type=int, default=256, help="new records between MLP retrainings")
     b.add_argument("--no-tune", action="store_true", help="keep the default k / threshold / knn weight")
     b.set_defaults(func=cmd_predictor_build)
+
+    f = ps.add_parser("build-self", help="fit a self length head on the served model's recorded hidden states")
+    f.add_argument("--features", required=True,
+                   help=".npz of hidden states along recorded answers (benchmarks/length/self_features.py)")
+    f.add_argument("--layer", type=int, required=True, help="decoder layer whose states the head reads")
+    f.add_argument("--out", required=True, help="predictor directory (may already hold an embedding predictor)")
+    f.add_argument("--split", default="train", choices=["train", "test", "all"], help="which rows to fit on")
+    f.add_argument("--ridge", type=float, default=1.0, help="L2 penalty per row on standardised features")
+    f.add_argument("--refine-every", type=int, default=16, help="generated tokens between re-predictions")
+    f.add_argument("--budget-ms", type=float, default=2.0, help="prediction time per engine step")
+    f.add_argument("--blend-weight", type=float, default=0.7,
+                   help="with an embedding predictor beside it: this head's weight at the end of prefill")
+    f.set_defaults(func=cmd_predictor_build_self)
 
     e = ps.add_parser("eval", help="score a predictor and three baselines on a dataset (read-only)")
     _add_dataset_args(e)

@@ -103,7 +103,8 @@ class Engine:
                 engine.lengths = OnlineLengthPredictor.load(
                     config.scheduler.length_predictor, side.tokenizer,
                     store_text=config.scheduler.length_predictor_store_text,
-                    hidden_size=side.arch.hidden_size, num_layers=side.arch.num_layers)
+                    hidden_size=side.arch.hidden_size, num_layers=side.arch.num_layers,
+                    record=config.scheduler.length_predictor_record)
             return engine
         except BaseException:
             side.executor.close()
@@ -295,7 +296,7 @@ class Engine:
         # its late logprobs rather than keep them forever.
         live = {rid for rid in (*result.logprobs, *result.prompt_logprobs) if rid in self.scheduler.requests}
         produced = self.scheduler.update(plan, result, now)
-        if self.lengths is not None and result.hidden:  # refined from the model's own states
+        if self.lengths is not None:  # refined from the model's own states (or a recording of them)
             for rid, total in self.lengths.refine(result.hidden, plan, self.scheduler.requests).items():
                 self.scheduler.refine_prediction(rid, total, now)
         for pending, new in ((self._logprobs, result.logprobs), (self._prompt_logprobs, result.prompt_logprobs)):

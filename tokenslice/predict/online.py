@@ -13,6 +13,7 @@ holds decides the kind:
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,15 +42,18 @@ class OnlineLengthPredictor:
     """The engine's length predictors with the live requests' prompt texts (embed) and captured
     states (self)."""
 
-    def __init__(self, predictor: Any, tokenizer: Any, refiner: SelfRefiner | None = None) -> None:
+    def __init__(self, predictor: Any, tokenizer: Any, refiner: SelfRefiner | None = None,
+                 record: str | Path | None = None) -> None:
+        """`record`: a JSON lines file each refined prediction is appended to (predict/recorded.py)."""
         self.predictor = predictor  # predict.length.LengthPredictor, or None (self only)
         self.tokenizer = tokenizer
         self.refiner = refiner
         self._prompt_text: dict[str, str] = {}
+        self._record = open(record, "a") if record is not None else None  # noqa: SIM115 (closed in close())
 
     @classmethod
     def load(cls, path: str, tokenizer: Any, *, store_text: bool, hidden_size: int | None = None,
-             num_layers: int | None = None) -> OnlineLengthPredictor:
+             num_layers: int | None = None, record: str | Path | None = None) -> OnlineLengthPredictor:
         """The predictors in `path`; a self head must fit the served model (`hidden_size`, `num_layers`)."""
         kind = predictor_kind(path)
         refiner = None
@@ -67,7 +71,7 @@ class OnlineLengthPredictor:
             from tokenslice.predict.length import LengthPredictor  # torch and faiss: only when asked for
 
             predictor = LengthPredictor.load(path, store_text=store_text)
-        return cls(predictor, tokenizer, refiner)
+        return cls(predictor, tokenizer, refiner, record)
 
     @property
     def kind(self) -> str:
@@ -111,6 +115,10 @@ class OnlineLengthPredictor:
                 w = self.refiner.head.config.blend_weight
                 total = math.expm1(w * math.log1p(total) + (1 - w) * math.log1p(arrival))
             out[rid] = max(done + 1, round(total))
+            if self._record is not None:
+                self._record.write(json.dumps({"id": rid, "output_tokens": done, "predicted_output_tokens": out[rid]}) + "\n")
+        if self._record is not None and out:
+            self._record.flush()
         return out
 
     def predicted_at(self, request_id: str) -> int | None:
@@ -129,6 +137,9 @@ class OnlineLengthPredictor:
                 self.predictor.observe(text, req.num_output_tokens, censored=req.finish_reason == "length")
 
     def close(self) -> None:
+        if self._record is not None:
+            self._record.close()
+            self._record = None
         if self.refiner is not None:
             self.refiner.close()
         if self.predictor is not None:
