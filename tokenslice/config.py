@@ -197,7 +197,7 @@ class SchedulerConfig:
     # Stall guard (docs/DESIGN.md, "Stall guard"): over every policy, a started stream whose slack
     # runs out runs next step and is not evicted. Slack: until its reader, taking delivery_rate
     # tokens/s, runs out of tokens ("on"), and until max_stall_ms after its last token (if set).
-    stall_guard: str = field(default="off", metadata={"choices": STALL_GUARD_MODES})
+    stall_guard: str = field(default="on", metadata={"choices": STALL_GUARD_MODES})
     delivery_rate: float = DEFAULT_DELIVERY_RATE  # tokens/s; also the reader of the stall metrics
     max_stall_ms: float | None = None
 

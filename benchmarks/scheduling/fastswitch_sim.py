@@ -118,6 +118,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--patterns", default=",".join(PATTERNS), help="comma-separated priority patterns to run")
+    ap.add_argument("--freqs", default=",".join(map(str, FREQS)), help="comma-separated update frequencies to run")
+    ap.add_argument("--variants", default=",".join(v.name for v in VARIANTS),
+                    help="comma-separated variants to run (baseline and +async or +guard give the ratios)")
     a = ap.parse_args()
     t0 = time.time()
     lines: list[str] = []
@@ -145,30 +149,39 @@ def main() -> None:
                 f"host {host_blocks} blocks (60 GB)")
             say(f"{'pattern':7s} {'freq':>5s} {'variant':9s} {'p95_ttft':>9s} {'p99_ttft':>9s} {'p999_ttft':>9s} "
                 f"{'p999_tbt':>9s} {'swap_out_blk':>12s} {'offload_blk':>11s} {'copies':>8s} {'preempt':>7s} {'tok/s':>7s} {'kv_peak':>7s}")
-            for pattern in PATTERNS:
-                for freq in FREQS:
+            for pattern in a.patterns.split(","):
+                for freq in [float(f) for f in a.freqs.split(",")]:
                     cell: dict[str, Any] = {"setting": setting, "profile": profile, "kv_blocks": kv_blocks,
                                             "host_blocks": host_blocks, "pattern": pattern, "freq": freq,
                                             "variants": {}}
-                    for v in VARIANTS:
+                    for v in [v for v in VARIANTS if v.name in a.variants.split(",")]:
                         m = run_one(convs, profile, kv_blocks, host_blocks, conv_rate, pattern, freq, v, a.seed)
                         cell["variants"][v.name] = m
                         say(f"{pattern:7s} {freq:5.2f} {v.name:9s} {m['p95_ttft']:9.3f} {m['p99_ttft']:9.3f} "
                             f"{m['p999_ttft']:9.3f} {m['p999_tbt']:9.4f} {m['swap_out_blocks']:12d} "
                             f"{m['offload_blocks']:11d} {m['swap_ops']:8d} {m['preemptions']:7d} {m['throughput_tok_s']:7.1f} "
                             f"{m['kv_peak_fraction']:7.2f}")
-                    base, full = cell["variants"]["baseline"], cell["variants"]["+async"]
-                    ratio = {k: base[k] / full[k] if full[k] > 0 else None for k in TAILS}
-                    cut = {k: 1 - full[k] / base[k] if base[k] > 0 else None for k in ("swap_out_blocks", "swap_ops")}
-                    guard = cell["variants"]["+guard"]
-                    cell["baseline_over_guard"] = {k: base[k] / guard[k] if guard[k] > 0 else None for k in TAILS}
-                    cell["baseline_over_full"], cell["cut"] = ratio, cut
                     out["settings"].append(cell)
-                    say(f"{'':14s}baseline/full: " + "  ".join(f"{k} {_x(ratio[k])}" for k in TAILS)
-                        + "  | cut: " + "  ".join(f"{k} {_pct(cut[k])}" for k in cut))
-                    say(f"{'':14s}baseline/+guard: " + "  ".join(f"{k} {_x(cell['baseline_over_guard'][k])}" for k in TAILS))
+                    ran = cell["variants"]
+                    base = ran.get("baseline")
+                    if base is not None and "+async" in ran:
+                        full = ran["+async"]
+                        ratio = {k: base[k] / full[k] if full[k] > 0 else None for k in TAILS}
+                        cut = {k: 1 - full[k] / base[k] if base[k] > 0 else None for k in ("swap_out_blocks", "swap_ops")}
+                        cell["baseline_over_full"], cell["cut"] = ratio, cut
+                        say(f"{'':14s}baseline/full: " + "  ".join(f"{k} {_x(ratio[k])}" for k in TAILS)
+                            + "  | cut: " + "  ".join(f"{k} {_pct(cut[k])}" for k in cut))
+                    if base is not None and "+guard" in ran:
+                        guard = ran["+guard"]
+                        cell["baseline_over_guard"] = {k: base[k] / guard[k] if guard[k] > 0 else None for k in TAILS}
+                        say(f"{'':14s}baseline/+guard: "
+                            + "  ".join(f"{k} {_x(cell['baseline_over_guard'][k])}" for k in TAILS))
     say(f"\nwall {time.time() - t0:.0f}s")
     name = f"fastswitch_sim_n{a.conversations}_seed{a.seed}"
+    if a.variants != ",".join(v.name for v in VARIANTS):
+        name += "_" + a.variants.replace(",", "_").replace("+", "")
+    if a.patterns != ",".join(PATTERNS) or a.freqs != ",".join(map(str, FREQS)):
+        name += "_" + a.patterns.replace(",", "_") + "_" + a.freqs.replace(",", "_")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=1) + "\n")
     (RESULTS / f"{name}.txt").write_text("\n".join(lines) + "\n")

@@ -105,7 +105,7 @@ class Scheduler:
         self._released = []
         self.preemption.begin_plan(now)
         self.kv.begin_plan()
-        self.stall_guard.begin_plan(self.requests.values(), now)
+        self.stall_guard.begin_plan(self.requests, now)
         ranked = self.stall_guard.order(self.policy.ranked(now))
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
         busy = self._in_pipeline
@@ -255,6 +255,7 @@ class Scheduler:
             tok = result.sampled[s.request_id]
             req.output_token_ids.append(tok)
             m.add_token_time(now, req.delivery_rate)
+            self.stall_guard.on_token(req)
             produced.append(req)
             reason = req.stop_reason(tok)
             if reason is not None:
@@ -290,8 +291,7 @@ class Scheduler:
         or the stall guard's protection could change the plan."""
         limit = self.policy.stable_steps(reqs, durations, ends)
         batch = {r.request_id for r in reqs}
-        idle = [r for rid, r in self.requests.items() if rid not in batch]
-        return min(limit, self.stall_guard.stable_steps(idle, durations[:limit], ends[:limit]))
+        return min(limit, self.stall_guard.stable_steps(self.requests, batch, durations[:limit], ends[:limit]))
 
     def repeat_decode(self, reqs: list[Request], durations: list[float], ends: list[float],
                       token: int) -> None:
@@ -315,6 +315,7 @@ class Scheduler:
             req.output_token_ids.extend(new_tokens)
             for end in ends:
                 m.add_token_time(end, req.delivery_rate)
+            self.stall_guard.on_token(req)
             if req.cache_prefix:
                 self.kv.cache_computed(req.request_id, req.num_computed_tokens, req.token_ids)
         for req in reqs:  # finishes first, then the policy's charge, as in a single step

@@ -6,8 +6,9 @@ within the horizon is protected: it runs in the next step ahead of the policy's 
 not evicted. The policy keeps its ranking; the guard only protects, at the last moment."""
 from __future__ import annotations
 
+import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.request import Request
@@ -27,6 +28,10 @@ class StallGuard:
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self.protected: list[Request] = []  # of the last plan, earliest deadline first
         self._protected_ids: set[str] = set()
+        # (deadline, request id) of every started stream, pushed at each of its tokens: a stream's
+        # deadline moves only then, so a plan reads only the due head. Stale entries (an older
+        # deadline, a finished stream) are dropped as they surface.
+        self._due: list[tuple[float, str]] = []
 
     @property
     def enabled(self) -> bool:
@@ -56,7 +61,29 @@ class StallGuard:
     def observe_step(self, seconds: float) -> None:
         self._steps.append(seconds)
 
-    def begin_plan(self, requests: Iterable[Request], now: float) -> None:
+    def on_token(self, req: Request) -> None:
+        """`req` got a token: its deadline moved."""
+        due = self.deadline(req)
+        if due is not None:
+            heapq.heappush(self._due, (due, req.request_id))
+
+    def _live_due(self, requests: Mapping[str, Request]) -> Iterator[tuple[float, Request]]:
+        """Live started streams in deadline order, popping stale entries on the way; the caller
+        pushes back what it took (restore)."""
+        while self._due:
+            due, rid = self._due[0]
+            req = requests.get(rid)
+            if req is None or self.deadline(req) != due:
+                heapq.heappop(self._due)
+                continue
+            heapq.heappop(self._due)
+            yield due, req
+
+    def _restore(self, taken: list[tuple[float, Request]]) -> None:
+        for due, req in taken:
+            heapq.heappush(self._due, (due, req.request_id))
+
+    def begin_plan(self, requests: Mapping[str, Request], now: float) -> None:
         """Which started streams must run in the next step: earliest deadline first, at most
         max_protected of them."""
         self.protected = []
@@ -64,13 +91,13 @@ class StallGuard:
         if not self.enabled:
             return
         limit = now + self.horizon()
-        due: list[tuple[float, Request]] = []
-        for req in requests:
-            d = self.deadline(req)
-            if d is not None and d <= limit:
-                due.append((d, req))
-        due.sort(key=lambda x: x[0])
-        self.protected = [r for _, r in due[:self.max_protected]]
+        taken: list[tuple[float, Request]] = []
+        for due, req in self._live_due(requests):
+            taken.append((due, req))
+            if due > limit or len(taken) > self.max_protected:
+                break
+        self._restore(taken)
+        self.protected = [r for d, r in taken[:self.max_protected] if d <= limit]
         self._protected_ids = {r.request_id for r in self.protected}
 
     def is_protected(self, request_id: str) -> bool:
@@ -92,13 +119,21 @@ class StallGuard:
         due = self.deadline(req)
         return None if due is None else max(0.0, due - now - self.horizon())
 
-    def stable_steps(self, idle: Iterable[Request], durations: list[float], ends: list[float]) -> int:
+    def stable_steps(self, requests: Mapping[str, Request], batch: set[str], durations: list[float],
+                     ends: list[float]) -> int:
         """Simulator fast-forward: how many of the upcoming steps (lasting `durations`, ending at
-        `ends`) a batch may repeat before one of the `idle` started streams (not in it) becomes
-        protected at the plan after a step; protection at the end of step j allows j + 1 steps."""
+        `ends`) the `batch` may repeat before a live started stream outside it becomes protected
+        at the plan after a step; protection at the end of step j allows j + 1 steps."""
         if not self.enabled:
             return len(ends)
-        first_due = min((d for d in (self.deadline(r) for r in idle) if d is not None), default=None)
+        taken: list[tuple[float, Request]] = []
+        first_due = None
+        for due, req in self._live_due(requests):
+            taken.append((due, req))
+            if req.request_id not in batch:
+                first_due = due
+                break
+        self._restore(taken)
         if first_due is None:
             return len(ends)
         window = deque(self._steps, maxlen=STEP_WINDOW)
