@@ -5,13 +5,13 @@ the guard changes when requests run, never what they generate."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokenslice.bench.workloads import WorkloadRequest
 from tokenslice.config import PREEMPTION_MODES, SchedulerConfig
 from tokenslice.delivery import qoe, reader_times, stall_seconds
 from tokenslice.engine.engine import Engine
@@ -27,21 +27,12 @@ STORIES = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories26
 BATCH = 4
 
 
-@dataclass
-class Item:
-    request_id: str
-    arrival_time: float
-    prompt_len: int
-    output_len: int
-    user: str | None = None
-
-
-def arrivals(seed: int, n: int, burst: float) -> list[Item]:
+def arrivals(seed: int, n: int, burst: float) -> list[WorkloadRequest]:
     rng = random.Random(seed)
     t, out = 0.0, []
     for i in range(n):
         t += rng.expovariate(4.0) * (0.05 if rng.random() < burst else 1.0)
-        out.append(Item(f"r{i}", t, rng.randint(1, 300), rng.randint(2, 120), user=f"u{i % 3}"))
+        out.append(WorkloadRequest(f"r{i}", t, None, rng.randint(1, 300), rng.randint(2, 120), user=f"u{i % 3}"))
     return out
 
 
@@ -76,7 +67,7 @@ class Watched:
         return plan
 
 
-def run(policy: str, preemption: str, items: list[Item], blocks: int, **cfg: object) -> tuple[Engine, list]:
+def run(policy: str, preemption: str, items: list[WorkloadRequest], blocks: int, **cfg: object) -> tuple[Engine, list, Watched]:
     config = SchedulerConfig(policy=policy, preemption=preemption, max_batch_size=BATCH, **cfg)
     eng = simulated_engine(config, COST, kv_cache_blocks=blocks, host_kv_blocks=blocks * 4)
     watched = Watched(eng)
