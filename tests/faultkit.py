@@ -22,8 +22,15 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "builtin:tiny"
 STARTUP_TIMEOUT_S = 240.0  # failure deadline: -tp 2 and Ray start slowly on a busy 2-core machine
-KINDS = ("core", "worker", "ray_actor", "server")
-FLAGS = {"core": (), "worker": ("-tp", "2"), "ray_actor": ("--executor", "ray", "-tp", "2"), "server": ("-tp", "2")}
+# What is killed: the engine core, one -tp 2 rank worker, one Ray actor (private cluster), or the
+# server itself (over -tp 2 workers, or over the private Ray cluster).
+KINDS = ("core", "worker", "ray_actor", "server", "ray_server")
+FLAGS = {"core": (), "worker": ("-tp", "2"), "ray_actor": ("--executor", "ray", "-tp", "2"), "server": ("-tp", "2"),
+         "ray_server": ("--executor", "ray", "-tp", "2")}
+
+
+def kills_server(kind: str) -> bool:
+    return kind in ("server", "ray_server")
 
 
 def free_port() -> int:
@@ -157,7 +164,7 @@ def start_serve(*flags: str, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Se
 def victim(srv: Serve, kind: str, index: int = 0) -> int:
     """The process of `kind` to kill: the server, its engine core, or rank worker / Ray actor
     number `index % 2` (in start order)."""
-    if kind == "server":
+    if kills_server(kind):
         return srv.proc.pid
     core = srv.core_pid()
     if kind == "core":

@@ -1,7 +1,7 @@
 """Faults (real `tokenslice serve` processes, SIGKILL): whichever process dies, the engine core,
 one rank worker of -tp 2 (with a request in flight, and idle), one Ray actor, the server exits
 non-zero and leaves no process behind; killing the server alone takes its core and workers
-with it. The private Ray cluster listens on loopback only, runs no dashboard and keeps its
+(or its private Ray cluster) with it. The private Ray cluster listens on loopback only, runs no dashboard and keeps its
 files in a folder only its user can enter. Inputs that the engine's wire cannot carry (a lone
 surrogate, a token id beyond 64 bits) are 400s naming the field.
 
@@ -17,7 +17,7 @@ import stat
 import httpx
 import pytest
 
-from faultkit import FLAGS, Serve, cmdline, is_loopback, kill_and_watch, listeners, start_serve
+from faultkit import FLAGS, Serve, cmdline, is_loopback, kill_and_watch, kills_server, listeners, start_serve
 from serverkit import start_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,7 +30,7 @@ def _check(srv: Serve, kind: str, in_flight: bool, index: int = 0) -> None:
     finally:
         left = srv.reap()
     assert out.exit_s is not None, f"serve did not exit after its {kind} was killed:\n{srv.output[-3000:]}"
-    if kind == "server":
+    if kills_server(kind):
         assert out.exit_code == -9
     else:
         assert out.exit_code == 1, srv.output[-3000:]
@@ -39,9 +39,10 @@ def _check(srv: Serve, kind: str, in_flight: bool, index: int = 0) -> None:
 
 
 @pytest.mark.parametrize(("kind", "in_flight"), [("core", False), ("worker", True), ("worker", False),
-                                                 ("server", True)])
+                                                 ("server", True), ("ray_server", False)])
 def test_a_killed_process_ends_serve_and_leaves_nothing(kind: str, in_flight: bool) -> None:
     # The worker killed while idle: the core notices between requests, not only at its next step.
+    # The server killed over a private Ray cluster: its core takes Ray's processes down with it.
     _check(start_serve(*FLAGS[kind]), kind, in_flight, index=1)
 
 
@@ -86,3 +87,15 @@ def test_inputs_the_wire_cannot_carry_are_400_naming_the_field() -> None:
                         timeout=60)
         assert ok.status_code == 200  # real non-ASCII text still passes
         assert httpx.get(srv.url("/health")).status_code == 200
+
+
+def test_ray_dashboard_flag() -> None:
+    from tokenslice.cli import build_parser
+    from tokenslice.cli.args import engine_config_from_args
+    from tokenslice.config import EngineConfig
+
+    args = build_parser().parse_args(["serve", "--model", "m", "--executor", "ray", "--ray-dashboard"])
+    assert engine_config_from_args(args).parallel.ray_dashboard
+    assert not EngineConfig.from_options(executor="ray").parallel.ray_dashboard  # off unless asked
+    with pytest.raises(ValueError, match="private cluster"):  # a joined cluster runs its own
+        EngineConfig.from_options(executor="ray", ray_address="auto", ray_dashboard=True).validate()

@@ -2,8 +2,9 @@
 server exits non-zero within the bound and how many processes are left behind.
 
 Kinds: core (the engine-core process), worker (one rank of -tp 2), ray_actor (one Ray actor of
---executor ray -tp 2, on the private cluster the engine starts), server (the serve process
-itself: its core and workers must go by themselves). Runs alternate between a streaming request
+--executor ray -tp 2, on the private cluster the engine starts), server and ray_server (the
+serve process itself, over -tp 2 workers or the private Ray cluster: its core, workers and Ray's
+processes must go by themselves). Runs alternate between a streaming request
 in flight and an idle server. Bounds (issue: no hang when a process dies): the server exits
 non-zero within 5 s of a core/worker/actor death; every process it started is gone within 2 s
 of the server's exit (or of its death).
@@ -21,7 +22,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # tests/faultkit.py: the kill harness
-from faultkit import FLAGS, KINDS, KillOutcome, kill_and_watch, start_serve  # noqa: E402
+from faultkit import FLAGS, KINDS, KillOutcome, kill_and_watch, kills_server, start_serve  # noqa: E402
 
 EXIT_BOUND_S = 5.0
 ORPHAN_BOUND_S = 2.0
@@ -40,7 +41,7 @@ def one_run(kind: str, index: int) -> KillOutcome:
 
 def ok(o: KillOutcome) -> bool:
     """Exited within the bound (non-zero unless it was the one killed) and left nothing running."""
-    exited = o.exit_s is not None and (o.kind == "server" or (o.exit_s <= EXIT_BOUND_S and o.exit_code not in (0, None)))
+    exited = o.exit_s is not None and (kills_server(o.kind) or (o.exit_s <= EXIT_BOUND_S and o.exit_code not in (0, None)))
     return exited and not o.orphans
 
 

@@ -41,6 +41,7 @@ from tokenslice.engine.core_messages import (Abort, AddRequest, CoreMessage, Cor
                                              SetPriority, Shutdown, StartupFailed, StateQuery)
 from tokenslice.engine.output import OutputProcessor
 from tokenslice.engine.protocol import tokenize_prompt
+from tokenslice.exec.parent_watch import kill_process_tree
 from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -67,10 +68,11 @@ def _answer(future: asyncio.Future[Any] | None, result: Any, error: Exception | 
 
 
 def _stop_core(process: Any) -> None:
-    """Last resort (interpreter exit, or a core that ignores Shutdown): end it by its PID. The
-    core ignores SIGTERM (see engine/core.py), so SIGKILL."""
+    """Last resort (interpreter exit, or a core that ignores Shutdown): end it by its PID, with
+    whatever it started (rank workers, Ray's processes), which would otherwise outlive it a while.
+    The core ignores SIGTERM (see engine/core.py), so SIGKILL."""
     if process.is_alive():
-        process.kill()
+        kill_process_tree(process.pid)
         process.join()
 
 
