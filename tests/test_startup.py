@@ -30,7 +30,8 @@ def _one_by_one(llm: LLM) -> list[list[int]]:
 
 
 def test_background_compile_serves_eager_then_compiled_with_the_eager_tokens() -> None:
-    # One row per step (max_batch_size=1): one bucket, the one a fresh server meets first.
+    # One row per step (max_batch_size=1): the graphs a fresh server meets first (one layer's,
+    # then, stories260k being tiny, the whole model's).
     with LLM(str(STORIES), max_batch_size=1, kv_cache_blocks=16) as llm:
         eager = _one_by_one(llm)
     torch._dynamo.reset()
@@ -44,7 +45,7 @@ def test_background_compile_serves_eager_then_compiled_with_the_eager_tokens() -
         assert runner.compiled.wait(BUILD_TIMEOUT_S)
         after = _one_by_one(llm)
         status = runner.compile_status()
-        assert status.state == "ready" and status.buckets_ready == status.buckets == 1
+        assert status.state == "ready" and status.buckets_ready == status.buckets
         assert status.steps >= len(PROMPTS) * (SP.max_tokens - 1)  # every decode step ran compiled
     finally:
         llm.close()

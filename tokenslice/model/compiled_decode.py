@@ -1,13 +1,13 @@
 """Compiled decode: a decode-only step (forward + LM head) run as compiled code instead of
 op-by-op eager PyTorch, whose per-operator dispatch dominates small models' steps.
 
-- CPU: torch.compile (inductor) of one decoder layer reused for all layers, a graph for one row
-  and one for any larger batch (model/inductor_decode.py; not for models whose linears are
-  oneDNN-packed, whose multi-row steps run faster eager). Built before the first step, or on a
-  thread while steps run eager (`serve`: it answers within seconds). The context length is
-  dynamic: no shape met later compiles again, and no row or key is padded beyond whole blocks.
-  (Static shapes per bucket compiled again at every new context bucket: seconds mid-stream, and
-  4x slower steps behind serve on average.)
+- CPU: torch.compile (inductor) of one decoder layer reused for all layers (tiny models: then of
+  the whole model), a graph for one row and one for any larger batch (model/inductor_decode.py;
+  not for models whose linears are oneDNN-packed, whose multi-row steps run faster eager). Built
+  before the first step, or on a thread while steps run eager (`serve`: it answers within
+  seconds). The context length is dynamic: no shape met later compiles again, and no row or key
+  is padded beyond whole blocks. (Static shapes per bucket compiled again at every new context
+  bucket: seconds mid-stream, and 4x slower steps behind serve on average.)
 - CUDA: CUDA graphs captured at start-up and replayed with the step's inputs copied into static
   buffers (vLLM's decode graphs), the batch padded to a power of two by repeating row 0 (whose
   K/V write then lands twice in the same slot with the same value). With the triton attention
@@ -39,6 +39,12 @@ from tokenslice.model.layers import InputMajorLinear
 from tokenslice.model.quant import QuantizedLinear
 
 log = logging.getLogger("tokenslice.model.compiled_decode")
+
+# Models this small get whole-model graphs too, built after the per-layer ones and replacing
+# them: there a layer call's own cost (guards, wrappers: ~70 us) is most of the step (stories260k,
+# one row: 0.77 ms per layer-compiled step, 0.43 ms whole), while on SmolLM2-135M it is 11%
+# (22.1 vs 19.9 ms), not worth a whole-model compilation of minutes (benchmarks/startup).
+WHOLE_MODEL_MAX_PARAMS = 10_000_000
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
@@ -96,7 +102,10 @@ class CompiledDecode:
         if parts is None:
             log.warning("no compiled decode for %s: its steps run eager", type(model).__name__)
             return
-        self.inductor = InductorDecode(parts, kv, block_size, self.multi_row)
+        whole = sum(p.numel() for p in model.parameters()) <= WHOLE_MODEL_MAX_PARAMS
+        # Built before serving, a tiny model needs only its whole-model graphs.
+        self.inductor = InductorDecode(model, parts, kv, block_size, self.multi_row,
+                                       layer_graphs=background or not whole, whole_graphs=whole)
         if background:
             self.inductor.start()
         else:

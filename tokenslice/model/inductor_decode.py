@@ -7,7 +7,9 @@ so one compiled layer serves every layer (the weights are graph inputs), and com
 about one layer's worth instead of the whole stack's. The embedding, the final norm and the head
 stay eager. Each layer's graph only reads the KV pool: attention (attention.traced_decode_attention)
 gathers the row's context through its slots with its new K/V in place, and returns the new K/V
-for the caller to write after the step (one index_copy_ for all layers).
+for the caller to write after the step (one index_copy_ for all layers). A layer call costs
+~70 us of its own once guards are skipped (see `step`): a tenth of SmolLM2-135M's step, but
+most of a tiny model's, which therefore also gets whole-model graphs (compiled_decode.py).
 
 Buckets: a graph for one row and, where multi-row steps are compiled (compiled_decode.py), one
 for any larger batch (the row count a dynamic dimension; a dimension of size 1 would be
@@ -108,11 +110,30 @@ def _rows_layer(layer: nn.Module, x: torch.Tensor, aux: tuple[torch.Tensor, ...]
     return _layer_step(layer, x, aux, kv_layer, positions, dec_slots)
 
 
+def _model_step(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, dec_slots: torch.Tensor,
+                kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole decode-only step: logits and the new K/V of all layers, [layers, 2, D, KVH, hd]."""
+    meta = AttentionMetadata(positions=positions, slots=positions, num_decode=ids.shape[0],  # slots: unused
+                             dec_slots=dec_slots, dec_len=dec_slots.shape[1], new_kv=[])
+    return model.compute_logits(model(ids, meta, kv)), torch.stack(meta.new_kv)
+
+
+def _one_row_model(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, dec_slots: torch.Tensor,
+                   kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _model_step(model, ids, positions, dec_slots, kv)
+
+
+def _rows_model(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, dec_slots: torch.Tensor,
+                kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _model_step(model, ids, positions, dec_slots, kv)
+
+
 @dataclass
 class Bucket:
     name: str
     rows: int  # the rows of the step it is compiled with (1, or 2 for "any larger batch")
-    region: StepFn  # the function compiled (one layer)
+    region: StepFn  # the function compiled: one layer, or the whole model (whole=True)
+    whole: bool = False
     run: StepFn | None = None  # set once built: the region running only what was compiled
     seconds: float | None = None
 
@@ -131,11 +152,20 @@ class CompileStatus:
 
 
 class InductorDecode:
-    def __init__(self, parts: DecoderParts, kv: torch.Tensor, block_size: int, multi_row: bool) -> None:
-        self.parts, self.kv, self.block_size = parts, kv, block_size
-        self.buckets = [Bucket("1 row", 1, _one_row_layer)]
-        if multi_row:
-            self.buckets.append(Bucket("2+ rows", 2, _rows_layer))
+    def __init__(self, model: nn.Module, parts: DecoderParts, kv: torch.Tensor, block_size: int, multi_row: bool,
+                 layer_graphs: bool = True, whole_graphs: bool = False) -> None:
+        """Graphs of one layer, and/or of the whole model (built after the layer ones, which
+        they replace once built; model/compiled_decode.py decides: for tiny models, whose steps
+        the per-layer calls slow most)."""
+        self.model, self.parts, self.kv, self.block_size = model, parts, kv, block_size
+        rows = [1, 2] if multi_row else [1]
+        self.buckets: list[Bucket] = []
+        if layer_graphs:
+            self.buckets += [Bucket(f"{'1 row' if d == 1 else '2+ rows'}, one layer", d, f)
+                             for d, f in zip(rows, (_one_row_layer, _rows_layer))]
+        if whole_graphs:
+            self.buckets += [Bucket(f"{'1 row' if d == 1 else '2+ rows'}, whole model", d, f, whole=True)
+                             for d, f in zip(rows, (_one_row_model, _rows_model))]
         self.started_at: float | None = None
         self.seconds: float | None = None
         self.error: str | None = None
@@ -177,8 +207,8 @@ class InductorDecode:
         # only add their start-up to the cores the server uses.
         inductor_config.compile_threads = 1
         self.started_at = time.perf_counter()
-        log.info("compiling decode steps: %d bucket(s) (%s), one decoder layer compiled for all %d; inductor "
-                 "cache %s", len(self.buckets), ", ".join(b.name for b in self.buckets), len(self.parts.layers),
+        log.info("compiling decode steps: %d bucket(s) (%s; a layer's graph serves all %d); inductor cache %s",
+                 len(self.buckets), "; ".join(b.name for b in self.buckets), len(self.parts.layers),
                  os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
     def _build_in_background(self, threads: int) -> None:
@@ -212,12 +242,14 @@ class InductorDecode:
         ids, positions = torch.zeros(d, dtype=torch.long), torch.ones(d, dtype=torch.long)
         dec_slots = torch.zeros(d, keys, dtype=torch.long)
         x, aux = self.parts.embed(ids, positions)
-        for t in (x, *aux, positions, dec_slots) if d > 1 else ():  # the rows
+        for t in (ids, x, *aux, positions, dec_slots) if d > 1 else ():  # the rows
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(dec_slots, 1)  # the keys
         # dynamic=False: only the dimensions marked above are dynamic.
         compiled = torch.compile(bucket.region, dynamic=False, fullgraph=True)
-        for i, layer in enumerate(self.parts.layers):
+        if bucket.whole:
+            compiled(self.model, ids, positions, dec_slots, self.kv)
+        for i, layer in enumerate(self.parts.layers if not bucket.whole else ()):
             x, _ = compiled(layer, x, aux, self.kv[i], positions, dec_slots)
         # From here on only these graphs run: a step they do not take runs eager instead of
         # compiling mid-stream, and no step pays for marking dimensions again.
@@ -232,15 +264,26 @@ class InductorDecode:
              dec_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Logits and the new K/V of all layers, [layers, 2, D, KVH, hd], of a decode-only step;
         None while its bucket is not built (or where none takes it)."""
-        bucket = self.buckets[0] if len(ids) == 1 else self.buckets[1] if len(self.buckets) > 1 else None
-        run = bucket.run if bucket is not None else None
-        if run is None:
+        rows = min(len(ids), 2)
+        built = [b for b in self.buckets if b.rows == rows and b.run is not None]
+        if not built:
             return None
-        x, aux = self.parts.embed(ids, positions)
-        new_kv = []
-        for i, layer in enumerate(self.parts.layers):
-            x, layer_kv = run(layer, x, aux, self.kv[i], positions, dec_slots)
-            new_kv.append(layer_kv)
+        bucket = built[-1]  # the whole model's once built
+        run = bucket.run
+        assert run is not None
+        # Once the build is over, no guard needs checking: every layer met the graphs at build
+        # time (a layer that differs got its own), and the caller sends each bucket only the
+        # shapes it was built for. Guards are most of a layer call's overhead (230 us of ~400 on
+        # SmolLM2's); the setting is process-wide, so never while the build thread compiles.
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self._done.is_set()):
+            if bucket.whole:
+                self.steps += 1
+                return run(self.model, ids, positions, dec_slots, self.kv)
+            x, aux = self.parts.embed(ids, positions)
+            new_kv = []
+            for i, layer in enumerate(self.parts.layers):
+                x, layer_kv = run(layer, x, aux, self.kv[i], positions, dec_slots)
+                new_kv.append(layer_kv)
         self.steps += 1
         return self.parts.final(x), torch.stack(new_kv)
 
