@@ -41,6 +41,7 @@ def test_tokens_identical_in_every_mode_under_memory_pressure(model_and_referenc
     # 14 blocks of 16 tokens for 12 requests of up to 84 tokens: memory binds; a short starvation
     # limit under MLFQ forces pauses, promotions and evictions. No protection, so evictions happen.
     with LLM(path, policy=policy, preemption=preemption, kv_cache_blocks=14, max_batch_size=4,
+             stall_guard="off",
              host_kv_blocks=64, starvation_limit_s=0.01, eviction_amortization=0.0) as llm:
         assert _run(llm, prompts) == alone
         kv = llm.engine.scheduler.kv
@@ -73,6 +74,7 @@ def test_swaps_really_happen_and_change_nothing(wave_reference, preemption):
     # Without prefix caching every swap-out is copied whole (with it, a request swapped out again
     # copies only what its retained host copy lacks: tests/test_prefix_cache.py).
     with LLM(path, policy="fixed-priority", preemption=preemption, kv_cache_blocks=14, max_batch_size=4,
+             stall_guard="off",
              host_kv_blocks=64, eviction_amortization=0.0, enable_prefix_caching=False) as llm:
         assert _run_waves(llm) == alone
         sched, runner = llm.engine.scheduler, llm.engine.runner
@@ -89,6 +91,7 @@ def test_block_groups_off_same_tokens_more_copies(wave_reference):
     stats = {}
     for groups in (True, False):
         with LLM(path, policy="fixed-priority", preemption="reactive-swap", kv_cache_blocks=14, max_batch_size=4,
+             stall_guard="off",
                  host_kv_blocks=64, eviction_amortization=0.0, enable_prefix_caching=False,
                  block_groups=groups) as llm:
             assert _run_waves(llm) == alone
@@ -101,6 +104,7 @@ def test_host_full_falls_back_to_recompute(wave_reference):
     path, alone = wave_reference
     # Two host blocks: no victim fits there, so evictions recompute instead; never an error.
     with LLM(path, policy="fixed-priority", preemption="reactive-swap", kv_cache_blocks=14, max_batch_size=4,
+             stall_guard="off",
              host_kv_blocks=2, eviction_amortization=0.0) as llm:
         assert _run_waves(llm) == alone
         sched = llm.engine.scheduler
@@ -110,7 +114,7 @@ def test_host_full_falls_back_to_recompute(wave_reference):
 
 def test_abort_mid_transfer_frees_both_tiers():
     with LLM(str(STORIES), policy="fixed-priority", preemption="proactive-swap", kv_cache_blocks=14,
-             max_batch_size=4, host_kv_blocks=64, eviction_amortization=0.0) as llm:
+             max_batch_size=4, stall_guard="off", host_kv_blocks=64, eviction_amortization=0.0) as llm:
         eng = llm.engine
         sched = eng.scheduler
         schedule = sched.schedule
@@ -144,7 +148,7 @@ def test_abort_mid_transfer_frees_both_tiers():
 
 def test_int8_offload_greedy_mostly_matches():
     common = dict(policy="fixed-priority", preemption="reactive-swap", kv_cache_blocks=14, max_batch_size=4,
-                  host_kv_blocks=64, eviction_amortization=0.0)
+                  stall_guard="off", host_kv_blocks=64, eviction_amortization=0.0)
     with LLM(str(STORIES), **common) as full, LLM(str(STORIES), offload_dtype="int8", **common) as q:
         a, b = _run_waves(full), _run_waves(q)
         assert q.engine.scheduler.stats.swap_out_bytes > 0

@@ -93,8 +93,10 @@ def test_protection_prevents_the_promotion_storm():
 
 
 def test_proactive_swap_overlaps_transfers_with_compute():
+    # The mechanism alone: with the stall guard's streams at the head of every batch this tiny
+    # pool swaps more, fills the small host tier and falls back to recompute twice.
     cfg = SchedulerConfig(policy="skip-join-mlfq", preemption="proactive-swap", max_batch_size=4,
-                          starvation_limit_s=0.2)
+                          starvation_limit_s=0.2, stall_guard="off")
     eng = simulated_engine(cfg, COST, kv_cache_blocks=40, block_size=16, host_kv_blocks=400)
     for i in range(24):
         eng.add_request([7 + i] * 100, SamplingParams(max_tokens=200, ignore_eos=True), request_id=f"r{i}")

@@ -75,7 +75,7 @@ class Recompute:
         """Free device blocks by evicting lower-ranked requests' KV, the one that will run last
         first. A request that `loads` its KV (new, recomputing or on host) may not evict a
         protected job; one growing its resident KV may, or the pool could deadlock. A stream the
-        stall guard protects (`stalling`) may evict any other, in every mode: its reader waits."""
+        stall guard protects (`stalling`) is not new work: it may evict in every mode."""
         if not holds_kv and not self.new_work_evicts and not stalling:
             return False
         kv = self.kv
@@ -86,7 +86,7 @@ class Recompute:
             # a long-waiting job about to be promoted ranks low but runs soon.
             enst = self.next_run_estimates()
             victims.sort(key=lambda r: enst.get(r.request_id, 0.0), reverse=True)
-        if loads and not stalling:
+        if loads:  # also for the stall guard's streams: under overload they would chase each other
             unprotected = [r for r in victims if not self.guard.is_protected(r.request_id)]
             if len(unprotected) < len(victims):
                 self.protection_blocked = True
@@ -112,8 +112,10 @@ class Recompute:
         if on_host:
             num_blocks = len(self.kv.host_blocks(rid))
             self.guard.protect(rid, self._swap_seconds(num_blocks))
-            # A protected stream cannot wait a step for an overlapped copy: its deadline is near.
-            sync = self.stall_guard.is_protected(rid) or not self._async_swap_in(num_blocks)
+            # A protected stream cannot wait a step for an overlapped copy: its deadline is near
+            # (unless the operator forced async copies with --swap-in async).
+            protected = self.stall_guard.is_protected(rid) and self.swap_in.setting != "async"
+            sync = protected or not self._async_swap_in(num_blocks)
             self.move(req, "in", plan, sync=sync)
             return sync
         self.guard.protect(rid, self.ctx.first_iteration_s(req.num_tokens - 1))
