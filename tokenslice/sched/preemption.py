@@ -112,10 +112,7 @@ class Recompute:
         if on_host:
             num_blocks = len(self.kv.host_blocks(rid))
             self.guard.protect(rid, self._swap_seconds(num_blocks))
-            # A protected stream cannot wait a step for an overlapped copy: its deadline is near
-            # (unless the operator forced async copies with --swap-in async).
-            protected = self.stall_guard.is_protected(rid) and self.swap_in.setting != "async"
-            sync = protected or not self._async_swap_in(num_blocks)
+            sync = self._sync_for_guard(rid) or not self._async_swap_in(num_blocks)
             self.move(req, "in", plan, sync=sync)
             return sync
         self.guard.protect(rid, self.ctx.first_iteration_s(req.num_tokens - 1))
@@ -126,7 +123,7 @@ class Recompute:
         its prefill (FastSwitch §3.3, SGLang HiCache). Sync or async as a swap-in (FastSwitch
         §3.2); False: the copy overlaps this step and the request runs once it landed."""
         rid = req.request_id
-        sync = not self._async_swap_in(num_blocks)
+        sync = self._sync_for_guard(rid) or not self._async_swap_in(num_blocks)
         if not sync:
             self.kv.begin_transfer(rid)
         pairs = self.kv.load_host_prefix(rid)
@@ -137,6 +134,11 @@ class Recompute:
             self._async_blocks[rid] = len(pairs)
         self.stats.record_swap(req.metrics, "in", len(pairs) * self.swap_block_bytes, len(copy_runs(pairs)))
         return sync
+
+    def _sync_for_guard(self, rid: str) -> bool:
+        """A stream the stall guard protects cannot wait a step for an overlapped copy: its
+        deadline is near (unless the operator forced async copies with --swap-in async)."""
+        return self.stall_guard.is_protected(rid) and self.swap_in.setting != "async"
 
     def _async_swap_in(self, num_blocks: int) -> bool:
         model_s = self._swap_seconds(num_blocks) if self.ctx.cost else None
