@@ -4,7 +4,9 @@ builds it. Always stopped by the caller (use it as a context manager or call sto
 from __future__ import annotations
 
 import re
+import signal
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -130,3 +132,29 @@ def until(cond: Any, timeout: float = 60.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.05)
+
+
+def wait_healthy(proc: Any, base: str, timeout_s: float) -> None:
+    """Wait until a `tokenslice serve` child answers /health; fail with its output if it exits
+    first, or after `timeout_s` (a failure deadline for start-up, not a performance check)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.2)
+
+
+def stop_child(proc: Any) -> str:
+    """SIGTERM a `tokenslice serve` child, kill it if it has not exited after 30 s; its output."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out

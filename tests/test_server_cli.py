@@ -6,11 +6,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
+
+from serverkit import stop_child, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "MARMALADE-PROMPT-TEXT"
@@ -29,16 +30,7 @@ def test_serve_subcommand() -> None:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90  # a failure deadline for startup, not a performance check
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, base, 90)
         c = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
         assert [m.id for m in c.models.list().data] == ["tiny"]
         r = c.completions.create(model="tiny", prompt=SECRET, max_tokens=3)
@@ -51,12 +43,7 @@ def test_serve_subcommand() -> None:
             if not other.startswith("127."):
                 assert s.connect_ex((other, port)) != 0
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
+        out = stop_child(proc)
     lines = [line for line in out.splitlines() if r.id in line]
     assert len(lines) == 1 and "prompt_tokens=" in lines[0] and "latency=" in lines[0], out[-2000:]
     assert SECRET not in out

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from serverkit import RunningServer, start_server, wait_idle
+from serverkit import RunningServer, start_server, stop_child, wait_healthy, wait_idle
 from tokenslice.cli import build_parser
 from tokenslice.cli.args import engine_config_from_args
 from tokenslice.cli.serve import serve_engine_config
@@ -117,16 +116,7 @@ def test_vllm_style_command_line_serves_chat_through_the_template(tmp_path: Path
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 240  # a failure deadline for start-up, not a performance check
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, base, 240)
         c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         cards = c.models.list().data
         assert [m.id for m in cards] == ["a", "b"]
@@ -144,12 +134,7 @@ def test_vllm_style_command_line_serves_chat_through_the_template(tmp_path: Path
         metrics = httpx.get(base + "/metrics").text
         assert re.search(r'vllm:cache_config_info\{[^}]*gpu_memory_utilization="0.05"', metrics), metrics[-2000:]
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
+        out = stop_child(proc)
     assert "vLLM flag --trust-remote-code" in out and "vLLM flag --disable-log-stats" in out, out[-3000:]
     assert proc.returncode in (0, -signal.SIGTERM), out[-2000:]
 
