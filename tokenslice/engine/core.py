@@ -73,7 +73,8 @@ def run_engine_core(config: bytes, input_address: str, output_address: str, log_
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_address)
     out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader
+    # Never blocks, on a slow reader or on none: a connecting PUSH queues without a peer, here without limit.
+    out.setsockopt(zmq.SNDHWM, 0)
     out.connect(output_address)
     encoder = msgspec.msgpack.Encoder()
     code = 0
