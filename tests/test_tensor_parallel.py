@@ -48,7 +48,8 @@ def _one_rank(path: str, **settings) -> tuple[list[list[int]], Scheduler]:
 def _reschedule(engine: Engine, preemption: str) -> None:
     """A fresh scheduler in another memory mode over the same workers (their KV pools stay)."""
     old = engine.scheduler
-    cfg = SchedulerConfig(policy="fixed-priority", preemption=preemption, max_batch_size=4, eviction_amortization=0.0)
+    cfg = SchedulerConfig(policy="fixed-priority", preemption=preemption, max_batch_size=4, eviction_amortization=0.0,
+                          stall_guard="off")
     swapping = PREEMPTION_STRATEGIES[preemption].uses_host_tier
     kv = KVManager(old.kv.block_size, old.kv.device.num_blocks, engine.executor.num_host_blocks if swapping else 0,
                    contiguous=swapping)

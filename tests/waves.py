@@ -12,8 +12,10 @@ from tokenslice.plan import SeqSlice, StepPlan
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 # Memory binds: 14 blocks of 16 tokens for 4 running requests of up to 67 tokens; short requests
 # arriving later outrank the long ones under fixed-priority, so residents are evicted.
+# The stall guard off: it reads wall-clock time, and runs compared step for step (one rank
+# against several) must take the same scheduling decisions.
 PRESSURE = dict(dtype="float32", policy="fixed-priority", kv_cache_blocks=14, max_batch_size=4, host_kv_blocks=64,
-                eviction_amortization=0.0, enable_prefix_caching=False)
+                eviction_amortization=0.0, enable_prefix_caching=False, stall_guard="off")
 _RNG = random.Random(3)
 LONG = [[1] + [_RNG.randrange(3, 500) for _ in range(50)] for _ in range(6)]
 SHORT = [[1] + [_RNG.randrange(3, 500) for _ in range(3)] for _ in range(6)]
