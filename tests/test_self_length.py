@@ -11,7 +11,7 @@ import pytest
 
 from tokenslice.llm import LLM
 from tokenslice.plan import SeqSlice, StepPlan
-from tokenslice.predict.online import OnlineLengthPredictor, predictor_kind
+from tokenslice.predict.online import UNTIL_PREFILL, OnlineLengthPredictor, predictor_kind
 from tokenslice.predict.self_head import SELF_HEAD_FILE, SelfHeadConfig, SelfLengthHead
 from tokenslice.predict.self_refine import SelfRefiner
 from tokenslice.request import Request, SamplingParams
@@ -187,7 +187,7 @@ def test_engine_loads_a_self_head_and_refines_live_predictions(tmp_path: Path) -
     eng = llm.engine
     assert eng.lengths is not None and eng.lengths.kind == "self"
     req = eng.add_request(PROMPTS[0], GREEDY)
-    assert req.predicted_output_tokens is None  # nothing before prefill in "self"
+    assert req.predicted_output_tokens == UNTIL_PREFILL  # "self" knows nothing before the prefill
     eng.step()
     first = req.predicted_output_tokens
     assert first is not None and eng.lengths.predicted_at(req.request_id) == 0

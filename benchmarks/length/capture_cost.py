@@ -36,7 +36,8 @@ def main() -> None:
     llm = LLM("smollm2-135m-instruct", max_model_len=2048, max_batch_size=a.batch)
     eng = llm.engine
     for i in range(a.batch):
-        eng.add_request([1] + [200 + i] * 100, SamplingParams(temperature=0.0, max_tokens=10 * a.steps, ignore_eos=True))
+        params = SamplingParams(temperature=0.0, max_tokens=10 * a.steps, ignore_eos=True)
+        eng.add_request([1] + [200 + i] * 100, params)
     eng.step()  # the prefills
     sched, ex = eng.scheduler, eng.executor
     times: dict[bool, list[float]] = {False: [], True: []}

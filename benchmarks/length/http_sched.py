@@ -79,7 +79,8 @@ async def one(http: httpx.AsyncClient, url: str, text: str, expected: int | None
             "tokens": tokens, "finish_reason": finish}
 
 
-async def run_workload(url: str, reqs: list[dict[str, Any]], arrivals: np.ndarray, oracle: bool) -> list[dict[str, Any]]:
+async def run_workload(url: str, reqs: list[dict[str, Any]], arrivals: np.ndarray, oracle: bool
+                       ) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0)) as http:
         start = time.perf_counter()
         return await asyncio.gather(*[one(http, url, r["text"], r["output_tokens"] if oracle else None, start, float(t))

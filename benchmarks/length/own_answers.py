@@ -9,8 +9,9 @@ through the model's chat template as one user message (what /v1/chat/completions
 over 1,024 tokens are left out (vLLM's benchmark filter). Test split, fixed before any training:
 a prompt is a test prompt when sha1(its id) mod 5 == 0 (about 20%).
 
-The run (in one fixed shuffled order, so any prefix mixes both sources) is continuous batching through the offline engine (tokenslice.llm.LLM): up to `--batch`
-requests in flight, topped up as they finish. Each finished answer is appended at once to
+The run (in one fixed shuffled order, so any prefix mixes both sources) is continuous batching
+through the offline engine (tokenslice.llm.LLM): up to `--batch` requests in flight, topped up as
+they finish. Each finished answer is appended at once to
 results/own_answers.jsonl (id, source, split, prompt and output token counts, finish reason: no
 text), so an interrupted run resumes where it stopped. The answers' token ids, needed to
 recompute hidden states along each answer (self_features.py), go to cache/answer_tokens.jsonl,

@@ -12,12 +12,15 @@ checks 1): the self length head against the embedding predictor on the same fixe
     embed   the embedding predictor (all-MiniLM-L6-v2, kNN + MLP, tuned by its own
             cross-validation) seeded with the train split's prompts and the model's own lengths,
             scored on the same test prompts; writes it to cache/predictor-embed/.
+    blend   the weight of the head against the embedding predictor at arrival ("both"), chosen
+            on the train split, scored on the test split; writes cache/predictor-both/.
 
 Results: results/self_eval_{layers,final,embed}.json.
 
     .venv/bin/python benchmarks/length/self_eval.py layers --features cache/states_layers.npz
     .venv/bin/python benchmarks/length/self_eval.py final --features cache/states_L.npz --layer L --ridge R
     .venv/bin/python benchmarks/length/self_eval.py embed
+    .venv/bin/python benchmarks/length/self_eval.py blend --features cache/states.npz --layer L --ridge R
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ from own_answers import RESULTS, prompt_texts  # noqa: E402
 
 CACHE = HERE / "cache"
 OUT = HERE / "results"
-RIDGES = (0.01, 0.1, 1.0, 10.0)
+RIDGES = (0.1, 1.0, 10.0)
+MAX_TS = (64, 128, None)  # learn from states up to this many generated tokens (None: all)
 LAGS = (0, 8, 16, 24, 32, 48, 56)
 LAG_AT = (64, 128, 192, 256)
 
@@ -51,13 +55,13 @@ def fold_of(prompt_id: str, folds: int = 3) -> int:
     return int(hashlib.sha1(f"fold:{prompt_id}".encode()).hexdigest(), 16) % folds
 
 
-def cv_scores(rows: StateRows, layer: int, ridge: float) -> dict[str, float]:
+def cv_scores(rows: StateRows, layer: int, ridge: float, max_t: int | None) -> dict[str, float]:
     """Mean out-of-fold Spearman at t = 0 and t = 32 (remaining), train rows only."""
     folds = np.array([fold_of(i) for i in rows.ids.tolist()])
     at0, at32 = [], []
     for f in range(3):
         head = fit_head(rows.where(folds != f), SelfHeadConfig(layer=layer, hidden_size=rows.hidden.shape[1],
-                                                                ridge=ridge))
+                                                                ridge=ridge, max_t=max_t))
         val = rows.where(folds == f)
         at0.append(spearman_at(head, val, 0)["all"]["spearman"])
         at32.append(spearman_at(head, val, 32)["all"]["spearman"])
@@ -72,20 +76,25 @@ def cmd_layers(a: argparse.Namespace) -> dict[str, Any]:
         rows = load_rows(a.features, layer)
         rows = rows.where(rows.split == "train")
         for ridge in RIDGES:
-            s = cv_scores(rows, layer, ridge)
-            table.append({"layer": layer, "ridge": ridge, **s})
-            print(f"layer {layer:2d} ridge {ridge:<5} CV Spearman t=0 {s['t0']:.3f}  t=32 {s['t32']:.3f}", flush=True)
+            for max_t in MAX_TS:
+                s = cv_scores(rows, layer, ridge, max_t)
+                table.append({"layer": layer, "ridge": ridge, "max_t": max_t, **s})
+                print(f"layer {layer:2d} ridge {ridge:<5} max_t {max_t!s:<5} CV Spearman t=0 {s['t0']:.3f}  "
+                      f"t=32 {s['t32']:.3f}", flush=True)
     best = max(table, key=lambda r: r["t0"] + r["t32"])
-    print(f"chosen: layer {best['layer']} ridge {best['ridge']} (best mean of the two CV Spearmans)")
+    print(f"chosen: layer {best['layer']} ridge {best['ridge']} max_t {best['max_t']} "
+          "(best sum of the two CV Spearmans)")
     return {"table": table, "chosen": best}
 
 
 def cmd_final(a: argparse.Namespace) -> dict[str, Any]:
     rows = load_rows(a.features, a.layer)
     train, test = rows.where(rows.split == "train"), rows.where(rows.split == "test")
-    cfg = SelfHeadConfig(layer=a.layer, hidden_size=rows.hidden.shape[1], ridge=a.ridge, refine_every=a.refine_every)
+    cfg = SelfHeadConfig(layer=a.layer, hidden_size=rows.hidden.shape[1], ridge=a.ridge, refine_every=a.refine_every,
+                         max_t=a.max_t)
     head = fit_head(train, cfg)
-    out: dict[str, Any] = {"layer": a.layer, "ridge": a.ridge, "train_rows": len(train), "test_rows": len(test),
+    out: dict[str, Any] = {"layer": a.layer, "ridge": a.ridge, "max_t": a.max_t, "refine_every": a.refine_every,
+                           "train_rows": len(train), "test_rows": len(test),
                            "train_answers": len(set(train.ids.tolist())), "test_answers": len(set(test.ids.tolist()))}
     out["arrival"] = spearman_at(head, test, 0)
     out["after_32"] = spearman_at(head, test, 32)
@@ -135,6 +144,51 @@ def cmd_embed(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def cmd_blend(a: argparse.Namespace) -> dict[str, Any]:
+    """The "both" weight: chosen on the train split (head and embedding predictor fitted on one
+    half, weights scored on the other), then scored on the test split with the final predictors
+    (cache/predictor-self, cache/predictor-embed: run `final` and `embed` first)."""
+    import tempfile
+
+    from tokenslice.predict.length import LengthPredictor
+    from tokenslice.predict.self_head import SelfLengthHead
+
+    texts = prompt_texts()
+    rows = load_rows(a.features, a.layer)
+    train = rows.where(rows.split == "train")
+    half = np.array([fold_of(i, 2) for i in train.ids.tolist()])
+    cfg = SelfHeadConfig(layer=a.layer, hidden_size=rows.hidden.shape[1], ridge=a.ridge, max_t=a.max_t)
+    head = fit_head(train.where(half == 0), cfg)
+    fit_part = train.where((half == 0) & (train.t == 0))
+    val = train.where((half == 1) & (train.t == 0))
+    with tempfile.TemporaryDirectory() as tmp, LengthPredictor.create(Path(tmp) / "p") as pred:
+        pred.seed([texts[i] for i in fit_part.ids.tolist()], fit_part.output_tokens.tolist(),
+                  groups=fit_part.ids.tolist())
+        embed_val = np.log1p(pred.predict([texts[i] for i in val.ids.tolist()]))
+    self_val = head.predict_log(val.hidden, val.prompt_tokens, val.t)
+    grid = [round(w, 1) for w in np.arange(0.0, 1.01, 0.1)]
+    scores = {w: spearman(w * self_val + (1 - w) * embed_val, val.output_tokens) for w in grid}
+    best = max(grid, key=lambda w: scores[w] or -1)
+    print("train-half Spearman by self weight:", {w: round(v, 3) for w, v in scores.items()}, "-> chosen", best)
+    test = rows.where((rows.split == "test") & (rows.t == 0))
+    final = SelfLengthHead.load(CACHE / "predictor-self" / SELF_HEAD_FILE)
+    with LengthPredictor.load(CACHE / "predictor-embed", cache_size=0, background_training=False) as pred:
+        embed_test = np.log1p(pred.predict([texts[i] for i in test.ids.tolist()]))
+    blend = best * final.predict_log(test.hidden, test.prompt_tokens, test.t) + (1 - best) * embed_test
+    out: dict[str, Any] = {"weights": {str(w): v for w, v in scores.items()}, "chosen": best, "test": {}}
+    for src in ("all", "alpaca", "sharegpt"):
+        m = np.ones(len(test), bool) if src == "all" else test.source == src
+        out["test"][src] = {"n": int(m.sum()), "spearman": spearman(blend[m], test.output_tokens[m])}
+    print("both, test split, at arrival:", out["test"])
+    final.config.blend_weight = best
+    final.save(CACHE / "predictor-self" / SELF_HEAD_FILE)
+    both = CACHE / "predictor-both"
+    shutil.rmtree(both, ignore_errors=True)
+    shutil.copytree(CACHE / "predictor-embed", both)
+    shutil.copy(CACHE / "predictor-self" / SELF_HEAD_FILE, both / SELF_HEAD_FILE)
+    return out
+
+
 def _mean(xs: list[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
     return float(np.mean(xs)) if xs else None
@@ -142,13 +196,14 @@ def _mean(xs: list[float | None]) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["layers", "final", "embed"])
+    ap.add_argument("mode", choices=["layers", "final", "embed", "blend"])
     ap.add_argument("--features", type=Path)
     ap.add_argument("--layer", type=int)
     ap.add_argument("--ridge", type=float, default=1.0)
     ap.add_argument("--refine-every", type=int, default=16)
+    ap.add_argument("--max-t", type=lambda v: None if v == "none" else int(v), default=128)
     a = ap.parse_args()
-    result = {"layers": cmd_layers, "final": cmd_final, "embed": cmd_embed}[a.mode](a)
+    result = {"layers": cmd_layers, "final": cmd_final, "embed": cmd_embed, "blend": cmd_blend}[a.mode](a)
     OUT.mkdir(exist_ok=True)
     path = OUT / f"self_eval_{a.mode}.json"
     path.write_text(json.dumps(result, indent=1, default=float) + "\n")

@@ -8,7 +8,10 @@ token (what prefill captures), at t > 0 the decode step that samples token t + 1
 
     --layers 6,12,... --every 8   states after each listed layer at t = 0, 8, 16, ... < length
 
-Written as float16 .npz under cache/ (not committed): rows, with ids, t and lengths beside them.
+Each answer's states go to cache/states/<id>.npz as they are computed (a rerun skips the answers
+already there, so it can follow own_answers.py as it progresses); then all of them are merged
+into `--out` (float16, not committed): rows, with ids, t and lengths beside them; and per answer
+the mean state over its prompt's positions (`pool{L}`, `pool_id`), an alternative arrival feature.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,6 +34,7 @@ sys.path.insert(0, str(HERE))  # own_answers.py: the sample and its files
 from own_answers import MAX_MODEL_LEN, MODEL, RESULTS, TOKENS, chat_ids, prompt_texts  # noqa: E402
 
 CACHE = HERE / "cache"
+STATES = CACHE / "states"
 
 
 def load_answers() -> list[dict]:
@@ -46,56 +51,76 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", required=True, help="comma-separated decoder layers (0-based)")
     ap.add_argument("--every", type=int, default=8)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     layers = sorted(int(x) for x in a.layers.split(","))
+    STATES.mkdir(parents=True, exist_ok=True)
     answers = load_answers()
+    todo = [r for r in answers if not (STATES / f"{r['id']}.npz").is_file()]
+    print(f"{len(todo)} answers to compute, {len(answers) - len(todo)} already in {STATES}", flush=True)
+    if todo:
+        compute(todo, layers, a.every)
+    merge([r["id"] for r in answers], layers, a.out)
+
+
+def compute(answers: list[dict], layers: list[int], every: int) -> None:
     # The prompts' token ids again (the same sample, the same chat template).
     llm = LLM(MODEL, max_model_len=MAX_MODEL_LEN, max_batch_size=1, kv_cache_blocks=MAX_MODEL_LEN // 16 + 1)
     texts = prompt_texts()
     runner, tok = llm.engine.runner, llm.tokenizer
     blocks = list(range(MAX_MODEL_LEN // 16 + 1))
-    model_layers = runner.model.model.layers
     taken: dict[int, torch.Tensor] = {}
-    rows_at: list[torch.Tensor] = []
+    pooled: dict[int, torch.Tensor] = {}
+    at: dict[str, Any] = {}
 
-    def hook(i: int):
-        def f(_mod, _inp, out):  # noqa: ANN001
-            taken[i] = out.index_select(0, rows_at[0]).float()
+    def hook(i: int):  # noqa: ANN202
+        def f(_mod, _inp, out):  # noqa: ANN001, ANN202
+            taken[i] = out.index_select(0, at["rows"]).float()
+            pooled[i] = out[:at["prompt"]].float().mean(0)  # the prompt's mean state (an alternative feature)
         return f
 
-    handles = [model_layers[i].register_forward_hook(hook(i)) for i in layers]
-    feats: dict[int, list[np.ndarray]] = {i: [] for i in layers}
-    meta = {"id": [], "t": [], "output_tokens": [], "prompt_tokens": [], "finish_reason": [], "split": [],
-            "source": []}
+    handles = [runner.model.model.layers[i].register_forward_hook(hook(i)) for i in layers]
     start = time.perf_counter()
     for n, r in enumerate(answers):
         prompt = chat_ids(tok, texts[r["id"]])
         assert len(prompt) == r["prompt_tokens"], r["id"]
-        seq = prompt + r["output_token_ids"]
-        length = r["output_tokens"]
-        ts = list(range(0, length, a.every))
+        ts = list(range(0, r["output_tokens"], every))
         rows = [len(prompt) - 1 + t for t in ts]
-        rows_at[:] = [torch.tensor(rows)]
-        plan = StepPlan(prefill=[SeqSlice("f", seq, 0, blocks, False, SamplingParams(), 0)])
+        at |= {"rows": torch.tensor(rows), "prompt": len(prompt)}
+        plan = StepPlan(prefill=[SeqSlice("f", prompt + r["output_token_ids"], 0, blocks, False, SamplingParams(), 0)])
         runner.prompt_hidden(plan, layers[-1], rows)
-        for i in layers:
-            feats[i].append(taken[i].numpy().astype(np.float16))
-        for t in ts:
-            for k, v in (("id", r["id"]), ("t", t), ("output_tokens", length), ("prompt_tokens", len(prompt)),
-                         ("finish_reason", r["finish_reason"]), ("split", r["split"]), ("source", r["source"])):
-                meta[k].append(v)
-        if (n + 1) % 50 == 0:
+        arrays = {f"layer{i}": taken[i].numpy().astype(np.float16) for i in layers}
+        arrays |= {f"pool{i}": pooled[i].numpy().astype(np.float16) for i in layers}
+        tmp = STATES / f"{r['id']}.tmp.npz"
+        np.savez(tmp, t=np.asarray(ts), **arrays)
+        tmp.replace(STATES / f"{r['id']}.npz")
+        if (n + 1) % 20 == 0:
             print(f"{n + 1}/{len(answers)} answers, {time.perf_counter() - start:.0f}s", flush=True)
     for h in handles:
         h.remove()
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {f"layer{i}": np.concatenate(feats[i]) for i in layers}
-    np.savez(a.out, **arrays, **{k: np.asarray(v) for k, v in meta.items()})
-    print(f"wrote {a.out}: {len(meta['t'])} rows, layers {layers}, {time.perf_counter() - start:.0f}s")
     llm.close()
+
+
+def merge(ids: list[str], layers: list[int], out: Path) -> None:
+    recs = {json.loads(line)["id"]: json.loads(line) for line in RESULTS.read_text().splitlines()}
+    feats: dict[str, list[np.ndarray]] = {}
+    meta: dict[str, list[Any]] = {k: [] for k in ("id", "t", "output_tokens", "prompt_tokens", "finish_reason",
+                                                   "split", "source")}
+    for rid in ids:
+        r = recs[rid]
+        with np.load(STATES / f"{rid}.npz") as d:
+            for i in layers:
+                feats.setdefault(f"layer{i}", []).append(d[f"layer{i}"])
+                feats.setdefault(f"pool{i}", []).append(d[f"pool{i}"][None])
+            ts = d["t"].tolist()
+        for t in ts:
+            for k in meta:
+                meta[k].append(t if k == "t" else r[k])
+    arrays = {k: np.concatenate(v) for k, v in feats.items()} | {"pool_id": np.asarray(ids)}
+    np.savez(out, **arrays, **{k: np.asarray(v) for k, v in meta.items()})
+    print(f"wrote {out}: {len(meta['t'])} rows of {len(ids)} answers, layers {layers}")
 
 
 if __name__ == "__main__":

@@ -44,15 +44,16 @@ def load_rows(path: str | Path, layer: int) -> StateRows:
     with np.load(path, allow_pickle=False) as d:
         key = f"layer{layer}"
         if key not in d:
-            raise ValueError(f"{path} has no states of layer {layer} (it has {sorted(k for k in d if k.startswith('layer'))})")
+            have = sorted(k for k in d if k.startswith("layer"))
+            raise ValueError(f"{path} has no states of layer {layer} (it has {have})")
         return StateRows(d[key].astype(np.float32), d["id"], d["t"], d["output_tokens"], d["prompt_tokens"],
                          d["split"], d["source"])
 
 
-def fit_head(rows: StateRows, config: SelfHeadConfig, max_t: int | None = None) -> SelfLengthHead:
-    """A head fitted on `rows` (those with t <= max_t when given)."""
-    if max_t is not None:
-        rows = rows.where(rows.t <= max_t)
+def fit_head(rows: StateRows, config: SelfHeadConfig) -> SelfLengthHead:
+    """A head fitted on `rows` (those with t <= config.max_t)."""
+    if config.max_t is not None:
+        rows = rows.where(rows.t <= config.max_t)
     head = SelfLengthHead(config)
     for start in range(0, len(rows), 4096):  # the sums in chunks: bounded memory
         part = slice(start, start + 4096)

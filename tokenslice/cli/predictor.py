@@ -78,7 +78,8 @@ def cmd_predictor_build_self(a: argparse.Namespace) -> int:
     if (out / SELF_HEAD_FILE).exists():
         raise ValueError(f"{out} already holds a self length head")
     cfg = SelfHeadConfig(layer=a.layer, hidden_size=rows.hidden.shape[1], ridge=a.ridge, refine_every=a.refine_every,
-                         budget_s=a.budget_ms / 1000, blend_weight=a.blend_weight)
+                         max_t=a.max_t if a.max_t > 0 else None, budget_s=a.budget_ms / 1000,
+                         blend_weight=a.blend_weight)
     head = fit_head(train, cfg)
     out.mkdir(mode=0o700, parents=True, exist_ok=True)
     head.save(out / SELF_HEAD_FILE)
@@ -123,6 +124,7 @@ def add_subcommand(sub: Any) -> None:
     f.add_argument("--split", default="train", choices=["train", "test", "all"], help="which rows to fit on")
     f.add_argument("--ridge", type=float, default=1.0, help="L2 penalty per row on standardised features")
     f.add_argument("--refine-every", type=int, default=16, help="generated tokens between re-predictions")
+    f.add_argument("--max-t", type=int, default=128, help="learn from states up to this many generated tokens (0: all)")
     f.add_argument("--budget-ms", type=float, default=2.0, help="prediction time per engine step")
     f.add_argument("--blend-weight", type=float, default=0.7,
                    help="with an embedding predictor beside it: this head's weight at the end of prefill")

@@ -295,10 +295,11 @@ class Engine:
         # A request aborted while its plan was in flight (pipeline stages) gets no output: drop
         # its late logprobs rather than keep them forever.
         live = {rid for rid in (*result.logprobs, *result.prompt_logprobs) if rid in self.scheduler.requests}
-        produced = self.scheduler.update(plan, result, now)
-        if self.lengths is not None:  # refined from the model's own states (or a recording of them)
+        if self.lengths is not None:  # refined from the model's own states (or a recording), before
+            # the step's tokens are charged: a request is not demoted past a prediction it just got
             for rid, total in self.lengths.refine(result.hidden, plan, self.scheduler.requests).items():
                 self.scheduler.refine_prediction(rid, total, now)
+        produced = self.scheduler.update(plan, result, now)
         for pending, new in ((self._logprobs, result.logprobs), (self._prompt_logprobs, result.prompt_logprobs)):
             for rid, lp in new.items():
                 if rid in live:

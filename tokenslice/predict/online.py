@@ -7,7 +7,7 @@ holds decides the kind:
 
 - embed: the prompt's sentence embedding, at arrival;
 - self: the served model's own hidden state, at the end of prefill and every k generated tokens
-  (until the prefill, the scheduler ranks the request by its fallback, the mean length so far);
+  (until its prefill a request counts as one token, UNTIL_PREFILL, so it is prefilled first);
 - both: the embedding at arrival, blended in log space with the head at the end of prefill; the
   head alone refines after that.
 """
@@ -25,6 +25,10 @@ from tokenslice.predict.self_refine import SelfRefiner
 from tokenslice.request import Request
 
 EMBED_FILE = "predictor.json"
+# "self" alone: a request counts as this many output tokens until its prefill gives the head's
+# prediction, so srpt-predicted runs new prefills first (as TRAIL predicts at prefill): a prefill
+# is short next to an answer, its KV is kept, and one step later the request has its real rank.
+UNTIL_PREFILL = 1
 LENGTH_PREDICTOR_KINDS = ("embed", "self", "both")
 
 
@@ -83,6 +87,8 @@ class OnlineLengthPredictor:
         if self.refiner is not None:
             self.refiner.add(req.request_id, req.num_prompt_tokens)
         if self.predictor is None:
+            if req.predicted_output_tokens is None and self.refiner is not None and self.refiner.head.trained:
+                req.predicted_output_tokens = UNTIL_PREFILL
             return
         if text is None:
             text = self.tokenizer.decode(req.prompt_token_ids)
@@ -116,7 +122,8 @@ class OnlineLengthPredictor:
                 total = math.expm1(w * math.log1p(total) + (1 - w) * math.log1p(arrival))
             out[rid] = max(done + 1, round(total))
             if self._record is not None:
-                self._record.write(json.dumps({"id": rid, "output_tokens": done, "predicted_output_tokens": out[rid]}) + "\n")
+                line = {"id": rid, "output_tokens": done, "predicted_output_tokens": out[rid]}
+                self._record.write(json.dumps(line) + "\n")
         if self._record is not None and out:
             self._record.flush()
         return out

@@ -4,7 +4,7 @@ A recording is JSON lines, one per refined prediction: {"id": request id, "outpu
 generated when the state was captured, "predicted_output_tokens": the new predicted total}
 (OnlineLengthPredictor(record=...) writes them). `RecordedRefinements` stands in for the engine's
 length predictor: after each step it hands back, for every request of the step, the latest
-recorded prediction whose capture point the request has passed, so srpt-predicted re-ranks as
+recorded prediction whose capture point the request has reached, so srpt-predicted re-ranks as
 it did live. A step the simulator fast-forwards in bulk applies its points when the run ends.
 """
 from __future__ import annotations
@@ -41,8 +41,8 @@ class RecordedRefinements:
 
     def refine(self, hidden: Mapping[str, list[float]], plan: StepPlan, requests: Mapping[str, Request]
                ) -> dict[str, int]:
-        """Request id -> its latest recorded prediction newly passed (captured at fewer output
-        tokens than it has now, as the live refinement of a step's state lands after it)."""
+        """Request id -> its latest recorded prediction whose capture point the request has
+        reached (output tokens before this step's token, as live)."""
         out = {}
         for s in plan.slices:
             rid = s.request_id
@@ -50,7 +50,7 @@ class RecordedRefinements:
             if not points or req is None:
                 continue
             i = self._next.get(rid, 0)
-            while i < len(points) and points[i][0] < req.num_output_tokens:
+            while i < len(points) and points[i][0] <= req.num_output_tokens:
                 out[rid] = max(points[i][1], req.num_output_tokens + 1)
                 i += 1
             if rid in out:

@@ -35,6 +35,9 @@ class SelfHeadConfig:
     hidden_size: int  # the model's; a head only fits the model it was trained on
     ridge: float = 1.0  # L2 penalty per row on standardised features
     refine_every: int = 16  # k: generated tokens between re-predictions of a running request
+    # Learn only from states captured within this many generated tokens (None: all): the early
+    # states are what rankings hinge on, and long loops' many late rows would outweigh them.
+    max_t: int | None = 128
     refit_every: int = 32  # finished requests between online refits
     # Seconds of predictions per engine step (ALISE budgets <= 10 ms per prediction; refinement
     # shares one budget over the batch): requests due beyond it wait for a later step.
@@ -68,8 +71,13 @@ class SelfLengthHead:
         return np.hstack([h, extra])
 
     def add(self, hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray, remaining: np.ndarray) -> None:
-        """Rows with their true remaining lengths (tokens after `generated`)."""
-        x = self.features(hidden, prompt_tokens, generated)
+        """Rows with their true remaining lengths (tokens after `generated`); rows past max_t are skipped."""
+        gen = np.asarray(generated)
+        if self.config.max_t is not None:
+            keep = gen <= self.config.max_t
+            hidden, prompt_tokens = np.asarray(hidden)[keep], np.asarray(prompt_tokens)[keep]
+            gen, remaining = gen[keep], np.asarray(remaining)[keep]
+        x = self.features(hidden, prompt_tokens, gen)
         y = np.log1p(np.maximum(np.asarray(remaining, dtype=np.float64), 0.0))
         self.n += len(x)
         self.sx += x.sum(0)
