@@ -24,7 +24,8 @@ class StallGuard:
     def __init__(self, config: SchedulerConfig) -> None:
         self.timeline = config.stall_guard == "on"
         self.max_stall_s = None if config.max_stall_ms is None else config.max_stall_ms / 1000.0
-        self.max_protected = max(1, int(config.max_batch_size * MAX_PROTECTED_SHARE))
+        # A batch of one stays the policy's: the guard would otherwise decide every step alone.
+        self.max_protected = int(config.max_batch_size * MAX_PROTECTED_SHARE)
         self._steps: deque[float] = deque(maxlen=STEP_WINDOW)
         self.protected: list[Request] = []  # of the last plan, earliest deadline first
         self._protected_ids: set[str] = set()
@@ -88,7 +89,7 @@ class StallGuard:
         max_protected of them."""
         self.protected = []
         self._protected_ids = set()
-        if not self.enabled:
+        if not self.enabled or self.max_protected == 0:
             return
         limit = now + self.horizon()
         taken: list[tuple[float, Request]] = []
