@@ -3,7 +3,6 @@ replies, one output message per step, refusals, and engine faults (one fails the
 a run of them ends the loop), with the real engine and fault injection around its executor."""
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 
@@ -34,7 +33,14 @@ class Core:
         core_in.connect("inproc://in")
         core_out.connect("inproc://out")
         self.sockets = [self.to_core, self.from_core, core_in, core_out]
-        self.core = EngineCore(engine, core_in, core_out, os.getppid())
+        try:
+            self.core = EngineCore(engine, core_in, core_out)
+        except BaseException:
+            # Open sockets would make the context's finalizer wait for ever (the test would hang).
+            for sock in self.sockets:
+                sock.close(linger=0)
+            self.ctx.term()
+            raise
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
