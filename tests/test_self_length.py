@@ -29,7 +29,8 @@ def fitted_head(layer: int, hidden: int, refine_every: int = 4, budget_s: float 
     head = SelfLengthHead(SelfHeadConfig(layer=layer, hidden_size=hidden, refine_every=refine_every,
                                          budget_s=budget_s, refit_every=2))
     n = 64
-    head.add(rng.normal(size=(n, hidden)), rng.integers(1, 50, n), rng.integers(0, 30, n), rng.integers(1, 200, n))
+    head.add(rng.normal(size=(n, hidden)), rng.integers(1, 50, n), rng.integers(0, 30, n), rng.integers(1, 200, n),
+             rng.normal(size=(n, hidden)))
     assert head.fit()
     return head
 
@@ -99,6 +100,47 @@ def test_head_learns_online_and_reloads(tmp_path: Path) -> None:
     again = SelfLengthHead.load(path)
     np.testing.assert_allclose(again.predict_log(test, np.full(200, 10), np.zeros(200)), pred)
     assert predictor_kind(tmp_path) == "self"
+
+
+def test_refinements_read_the_prompt_state_captured_at_prefill(tmp_path: Path) -> None:
+    """Rows past the prompt carry the prompt's state beside the latest one: a head whose lengths
+    depend on the prompt alone ranks running requests by it, from the states the refiner kept at
+    prefill, and learns from finished requests' rows with it; heads saved before prompt states
+    load as they were fitted."""
+    rng = np.random.default_rng(2)
+    dim = 8
+    w = rng.normal(size=dim)
+    head = SelfLengthHead(SelfHeadConfig(layer=0, hidden_size=dim, ridge=1e-3, refine_every=4, refit_every=4))
+    prompts = rng.normal(size=(400, dim))
+    gen = rng.integers(0, 64, 400)
+    head.add(rng.normal(size=(400, dim)), np.full(400, 10), gen, np.expm1(5 + prompts @ w) - gen, prompts)
+    head.fit()
+    with pytest.raises(ValueError, match="prompt_hidden"):
+        head.predict_log(prompts[:2], [10, 10], [0, 8])
+    refiner = SelfRefiner(head)
+    h0 = rng.normal(size=(6, dim))
+    for r in range(6):
+        refiner.add(f"r{r}", 10)
+    refiner.apply({f"r{r}": h0[r].tolist() for r in range(6)}, {f"r{r}": 0 for r in range(6)})
+    later = refiner.apply({f"r{r}": rng.normal(size=dim).tolist() for r in range(6)}, {f"r{r}": 8 for r in range(6)})
+    order = sorted(range(6), key=lambda r: later[f"r{r}"])
+    assert order == sorted(range(6), key=lambda r: h0[r] @ w)
+    rows_before = head.n
+    for r in range(6):
+        refiner.finish(f"r{r}", 100, learn=True)
+    assert head.n == rows_before + 12  # two rows each (t = 0 and 8), with their prompt states
+    old = SelfLengthHead(SelfHeadConfig(layer=0, hidden_size=dim, prompt_state=False))
+    old.add(prompts, np.full(400, 10), gen, np.full(400, 50.0))
+    old.fit()
+    old.save(tmp_path / SELF_HEAD_FILE)
+    data = dict(np.load(tmp_path / SELF_HEAD_FILE))
+    config = json.loads(str(data["config"]))
+    del config["prompt_state"]  # as written before the field existed
+    data["config"] = np.array(json.dumps(config))
+    np.savez(tmp_path / SELF_HEAD_FILE, **data)
+    loaded = SelfLengthHead.load(tmp_path / SELF_HEAD_FILE)
+    assert not loaded.config.prompt_state
+    np.testing.assert_allclose(loaded.predict_log(prompts, np.full(400, 10), gen), old.predict_log(prompts, np.full(400, 10), gen))
 
 
 class StepTimer:
@@ -239,3 +281,38 @@ def test_refinements_are_recorded_and_the_simulator_replays_them(tmp_path: Path)
     replay(eng, [Item("a", 0.0, 10, 40)], on_advance=watch)
     assert seen[1] == 30 and seen[8] == 30 and seen[9] == 50 and seen[17] == 20 and seen[39] == 40
     assert eng.lengths.num_applied == 3
+
+
+def test_build_self_fits_a_head_on_recorded_states_and_the_engine_reads_it(tmp_path: Path) -> None:
+    """`tokenslice predictor build-self` on a states file (self_features.py's layout): the head
+    learns the train rows' remaining lengths, refuses to overwrite, and its directory is a "self"
+    predictor."""
+    from tokenslice.bench.length_self import load_rows, spearman_at
+    from tokenslice.cli import main
+
+    rng = np.random.default_rng(3)
+    dim, n = 12, 60
+    w = rng.normal(size=dim)
+    hid, ids, ts, outs = [], [], [], []
+    for a in range(n):
+        total = int(np.expm1(4 + 0.4 * rng.normal()))
+        for t in range(0, total, 8):
+            h = rng.normal(size=dim)
+            h[0] = np.log1p(total - t) - 0.4 * h[1:] @ w[1:]  # remaining length is linear in the state
+            hid.append(h), ids.append(f"q{a}"), ts.append(t), outs.append(total)
+    m = len(ts)
+    split = np.where(np.array([int(i[1:]) for i in ids]) < 45, "train", "test")
+    np.savez(tmp_path / "states.npz", layer3=np.array(hid, dtype=np.float16), id=np.array(ids), t=np.array(ts),
+             output_tokens=np.array(outs), prompt_tokens=np.full(m, 20), split=split, source=np.full(m, "alpaca"),
+             finish_reason=np.full(m, "stop"))
+    out = tmp_path / "pred"
+    args = ["predictor", "build-self", "--features", str(tmp_path / "states.npz"), "--layer", "3", "--out", str(out),
+            "--ridge", "0.01"]
+    assert main(args) == 0
+    assert predictor_kind(out) == "self"
+    head = SelfLengthHead.load(out / SELF_HEAD_FILE)
+    assert (head.config.layer, head.config.hidden_size, head.config.max_t) == (3, dim, 128)
+    rows = load_rows(tmp_path / "states.npz", 3)
+    assert spearman_at(head, rows.where(rows.split == "test"), 0)["all"]["spearman"] > 0.9
+    assert main(args) == 2  # a head is there already
+    assert main(args[:5] + ["7"] + args[6:]) == 2  # no states of that layer

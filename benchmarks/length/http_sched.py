@@ -50,6 +50,7 @@ VARIANTS: dict[str, tuple[str, Path | None]] = {
     "srpt-oracle": ("srpt-oracle", None),
     "srpt-predicted embed": ("srpt-predicted", CACHE / "predictor-embed"),
     "srpt-predicted self": ("srpt-predicted", CACHE / "predictor-self"),
+    "srpt-predicted both": ("srpt-predicted", CACHE / "predictor-both"),
 }
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from tokenslice.bench.length_self import StateRows, fit_head, load_rows, spearman_at, stale_spearman
+from tokenslice.bench.length_self import StateRows, fit_head, load_rows, predict_log, spearman_at, stale_spearman
 from tokenslice.predict.blend import spearman
 from tokenslice.predict.self_head import SELF_HEAD_FILE, SelfHeadConfig
 
@@ -45,7 +45,7 @@ from own_answers import RESULTS, prompt_texts  # noqa: E402
 
 CACHE = HERE / "cache"
 OUT = HERE / "results"
-RIDGES = (0.1, 1.0, 10.0)
+RIDGES = (0.1, 1.0, 10.0, 30.0)
 MAX_TS = (64, 128, None)  # learn from states up to this many generated tokens (None: all)
 LAGS = (0, 8, 16, 24, 32, 48, 56)
 LAG_AT = (64, 128, 192, 256)
@@ -98,13 +98,19 @@ def cmd_final(a: argparse.Namespace) -> dict[str, Any]:
                            "train_answers": len(set(train.ids.tolist())), "test_answers": len(set(test.ids.tolist()))}
     out["arrival"] = spearman_at(head, test, 0)
     out["after_32"] = spearman_at(head, test, 32)
+    for name, t in (("arrival", 0), ("after_32", 32)):
+        for src, v in out[name].items():
+            v["ci90"] = bootstrap_ci(head, test, t, None if src == "all" else src)
+    # A second, larger view (not the check): 5-fold cross-validation over every answer, train and test.
+    out["cv5_all_answers"] = cv_all(rows, cfg)
     out["stale"] = {str(lag): _mean([stale_spearman(head, test, t, lag) for t in LAG_AT]) for lag in LAGS}
     # Cost of one prediction: the features and the dot product, one request at a time.
     one = test.where(test.t == 0)
     secs = []
     for i in range(min(200, len(one))):
         start = time.perf_counter()
-        head.predict_remaining(one.hidden[i:i + 1], one.prompt_tokens[i:i + 1], one.t[i:i + 1])
+        head.predict_remaining(one.hidden[i:i + 1], one.prompt_tokens[i:i + 1], one.t[i:i + 1],
+                               one.prompt_hidden[i:i + 1])
         secs.append(time.perf_counter() - start)
     out["ms_per_prediction"] = {"median": 1000 * float(np.median(secs)), "p99": 1000 * float(np.quantile(secs, 0.99))}
     for name in ("arrival", "after_32"):
@@ -116,6 +122,40 @@ def cmd_final(a: argparse.Namespace) -> dict[str, Any]:
     target.mkdir(parents=True, mode=0o700)
     head.save(target / SELF_HEAD_FILE)
     print(f"wrote {target / SELF_HEAD_FILE}")
+    return out
+
+
+def bootstrap_ci(head: Any, rows: StateRows, t: int, source: str | None, reps: int = 1000) -> list[float]:
+    """90% bootstrap interval of the Spearman at t (answers resampled)."""
+    at = rows.where((rows.t == t) & ((rows.source == source) if source else np.ones(len(rows), bool)))
+    pred = predict_log(head, at)
+    rng = np.random.default_rng(0)
+    vals = [spearman(pred[i], at.remaining[i]) for i in (rng.integers(0, len(at), len(at)) for _ in range(reps))]
+    vals = [v for v in vals if v is not None]
+    return [float(np.quantile(vals, 0.05)), float(np.quantile(vals, 0.95))]
+
+
+def cv_all(rows: StateRows, cfg: SelfHeadConfig, folds: int = 5) -> dict[str, Any]:
+    """Out-of-fold Spearman at t = 0 and 32 per source, pooled over folds of every answer."""
+    fold = np.array([fold_of(i, folds) for i in rows.ids.tolist()])
+    preds: dict[int, list[np.ndarray]] = {0: [], 32: []}
+    parts: dict[int, list[StateRows]] = {0: [], 32: []}
+    for f in range(folds):
+        head = fit_head(rows.where(fold != f), cfg)
+        for t in (0, 32):
+            val = rows.where((fold == f) & (rows.t == t))
+            preds[t].append(predict_log(head, val))
+            parts[t].append(val)
+    out: dict[str, Any] = {}
+    for t, name in ((0, "arrival"), (32, "after_32")):
+        p = np.concatenate(preds[t])
+        truth = np.concatenate([v.remaining for v in parts[t]])
+        src = np.concatenate([v.source for v in parts[t]])
+        out[name] = {s: {"n": int(m.sum()), "spearman": spearman(p[m], truth[m])}
+                     for s, m in (("all", np.ones(len(p), bool)), ("alpaca", src == "alpaca"),
+                                  ("sharegpt", src == "sharegpt"))}
+    print("5-fold CV over all answers:", {k: {s: (v["n"], round(v["spearman"], 3)) for s, v in d.items()}
+                                           for k, d in out.items()})
     return out
 
 
@@ -165,8 +205,8 @@ def cmd_blend(a: argparse.Namespace) -> dict[str, Any]:
         pred.seed([texts[i] for i in fit_part.ids.tolist()], fit_part.output_tokens.tolist(),
                   groups=fit_part.ids.tolist())
         embed_val = np.log1p(pred.predict([texts[i] for i in val.ids.tolist()]))
-    self_val = head.predict_log(val.hidden, val.prompt_tokens, val.t)
-    grid = [round(w, 1) for w in np.arange(0.0, 1.01, 0.1)]
+    self_val = predict_log(head, val)
+    grid = [round(float(w), 1) for w in np.arange(0.0, 1.01, 0.1)]
     scores = {w: spearman(w * self_val + (1 - w) * embed_val, val.output_tokens) for w in grid}
     best = max(grid, key=lambda w: scores[w] or -1)
     print("train-half Spearman by self weight:", {w: round(v, 3) for w, v in scores.items()}, "-> chosen", best)
@@ -174,7 +214,7 @@ def cmd_blend(a: argparse.Namespace) -> dict[str, Any]:
     final = SelfLengthHead.load(CACHE / "predictor-self" / SELF_HEAD_FILE)
     with LengthPredictor.load(CACHE / "predictor-embed", cache_size=0, background_training=False) as pred:
         embed_test = np.log1p(pred.predict([texts[i] for i in test.ids.tolist()]))
-    blend = best * final.predict_log(test.hidden, test.prompt_tokens, test.t) + (1 - best) * embed_test
+    blend = best * predict_log(final, test) + (1 - best) * embed_test
     out: dict[str, Any] = {"weights": {str(w): v for w, v in scores.items()}, "chosen": best, "test": {}}
     for src in ("all", "alpaca", "sharegpt"):
         m = np.ones(len(test), bool) if src == "all" else test.source == src

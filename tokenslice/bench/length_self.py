@@ -22,6 +22,7 @@ class StateRows:
     """Rows of one layer's states and what each row is."""
 
     hidden: np.ndarray  # [n, dim]
+    prompt_hidden: np.ndarray  # [n, dim]: the state at t = 0 of the row's answer (its prompt's last token)
     ids: np.ndarray
     t: np.ndarray  # generated tokens at the row
     output_tokens: np.ndarray  # the answer's final length
@@ -46,8 +47,14 @@ def load_rows(path: str | Path, layer: int) -> StateRows:
         if key not in d:
             have = sorted(k for k in d if k.startswith("layer"))
             raise ValueError(f"{path} has no states of layer {layer} (it has {have})")
-        return StateRows(d[key].astype(np.float32), d["id"], d["t"], d["output_tokens"], d["prompt_tokens"],
-                         d["split"], d["source"])
+        hidden, ids, t = d[key].astype(np.float32), d["id"], d["t"]
+        at_prompt = {rid: i for i, (rid, tt) in enumerate(zip(ids.tolist(), t.tolist(), strict=True)) if tt == 0}
+        missing = set(ids.tolist()) - at_prompt.keys()
+        if missing:
+            raise ValueError(f"{path}: {len(missing)} answers have no row at t = 0 (their prompt's state)")
+        prompt_hidden = hidden[[at_prompt[rid] for rid in ids.tolist()]]
+        return StateRows(hidden, prompt_hidden, ids, t, d["output_tokens"], d["prompt_tokens"], d["split"],
+                         d["source"])
 
 
 def fit_head(rows: StateRows, config: SelfHeadConfig) -> SelfLengthHead:
@@ -57,10 +64,16 @@ def fit_head(rows: StateRows, config: SelfHeadConfig) -> SelfLengthHead:
     head = SelfLengthHead(config)
     for start in range(0, len(rows), 4096):  # the sums in chunks: bounded memory
         part = slice(start, start + 4096)
-        head.add(rows.hidden[part], rows.prompt_tokens[part], rows.t[part], rows.remaining[part])
+        head.add(rows.hidden[part], rows.prompt_tokens[part], rows.t[part], rows.remaining[part],
+                 rows.prompt_hidden[part])
     if not head.fit():
         raise ValueError("too few rows to fit a self length head")
     return head
+
+
+def predict_log(head: SelfLengthHead, rows: StateRows) -> np.ndarray:
+    """The head's log(1 + remaining) for every row."""
+    return head.predict_log(rows.hidden, rows.prompt_tokens, rows.t, rows.prompt_hidden)
 
 
 def spearman_at(head: SelfLengthHead, rows: StateRows, t: int) -> dict[str, Any]:
@@ -70,7 +83,7 @@ def spearman_at(head: SelfLengthHead, rows: StateRows, t: int) -> dict[str, Any]
     out: dict[str, Any] = {}
     if not len(at):
         return out
-    pred = head.predict_log(at.hidden, at.prompt_tokens, at.t)
+    pred = predict_log(head, at)
     out["all"] = {"n": len(at), "spearman": spearman(pred, at.remaining)}
     for src in sorted(set(at.source.tolist())):
         m = at.source == src
@@ -88,8 +101,9 @@ def stale_spearman(head: SelfLengthHead, rows: StateRows, t: int, lag: int) -> f
     if len(keep) < 3:
         return None
     prev = [index[now.ids[i]] for i in keep]
-    pred = head.predict_remaining(then.hidden[prev], then.prompt_tokens[prev], then.t[prev]) - lag
+    pred = head.predict_remaining(then.hidden[prev], then.prompt_tokens[prev], then.t[prev],
+                                  then.prompt_hidden[prev]) - lag
     return spearman(pred, now.remaining[keep])
 
 
-__all__ = ["StateRows", "load_rows", "fit_head", "spearman_at", "stale_spearman"]
+__all__ = ["StateRows", "load_rows", "fit_head", "predict_log", "spearman_at", "stale_spearman"]

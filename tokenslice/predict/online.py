@@ -120,7 +120,7 @@ class OnlineLengthPredictor:
             if done == 0 and self.predictor is not None and arrival is not None:
                 w = self.refiner.head.config.blend_weight
                 total = math.expm1(w * math.log1p(total) + (1 - w) * math.log1p(arrival))
-            out[rid] = max(done + 1, round(total))
+            out[rid] = max(done + 1, min(round(total), req.params.max_tokens))  # never past what it may produce
             if self._record is not None:
                 line = {"id": rid, "output_tokens": done, "predicted_output_tokens": out[rid]}
                 self._record.write(json.dumps(line) + "\n")

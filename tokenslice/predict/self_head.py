@@ -3,8 +3,10 @@
 the prediction sharpens as the answer unfolds).
 
 Features of one row: the hidden state of the request's latest token after decoder layer `layer`
-(the prompt's last token at prefill, later the token a decode step computed), log(1 + prompt
-tokens) and log(1 + tokens generated so far). Target: log(1 + tokens still to come). Ridge
+(the prompt's last token at prefill, later the token a decode step computed), beside it the prompt's
+last-token state (what the request asked: on their own, the latest token's state ranks the rest
+of an answer worse than the prompt's does), log(1 + prompt tokens) and log(1 + tokens generated
+so far). Target: log(1 + tokens still to come). Ridge
 regression on standardised features, solved in closed form from running sums (n, sum x, sum xx^T,
 sum y, sum xy): an online update adds a finished request's rows to the sums, and a refit is one
 solve of a (dim + 3)^2 system, so the head keeps learning the deployment's own lengths at no
@@ -45,6 +47,8 @@ class SelfHeadConfig:
     # Weight of this head in log space at prefill when an embedding predictor is loaded too
     # ("both"): the rest is the embedding predictor's arrival estimate.
     blend_weight: float = 0.7
+    # Rows carry the prompt's last-token state beside the latest one (False: heads saved before it).
+    prompt_state: bool = True
 
 
 class SelfLengthHead:
@@ -52,7 +56,7 @@ class SelfLengthHead:
 
     def __init__(self, config: SelfHeadConfig) -> None:
         self.config = config
-        d = config.hidden_size + EXTRA_FEATURES
+        d = config.hidden_size * (2 if config.prompt_state else 1) + EXTRA_FEATURES
         self.n = 0.0
         self.sx = np.zeros(d)
         self.sxx = np.zeros((d, d))
@@ -62,22 +66,32 @@ class SelfLengthHead:
         self.bias = 0.0
         self.rows_since_fit = 0
 
-    @staticmethod
-    def features(hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray) -> np.ndarray:
-        """[n, dim + 2] float64 rows."""
-        h = np.asarray(hidden, dtype=np.float64).reshape(len(prompt_tokens), -1)
-        extra = np.stack([np.log1p(np.asarray(prompt_tokens, dtype=np.float64)),
-                          np.log1p(np.asarray(generated, dtype=np.float64))], axis=1)
-        return np.hstack([h, extra])
+    def features(self, hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray,
+                 prompt_hidden: np.ndarray | None = None) -> np.ndarray:
+        """[n, d] float64 rows. `prompt_hidden`: each row's prompt state; may be left out when
+        every row is at the prompt (generated 0), where it is `hidden` itself."""
+        n = len(prompt_tokens)
+        parts = [np.asarray(hidden, dtype=np.float64).reshape(n, -1)]
+        if self.config.prompt_state:
+            if prompt_hidden is None:
+                if np.any(np.asarray(generated) > 0):
+                    raise ValueError("rows past the prompt need the prompt's state (prompt_hidden)")
+                prompt_hidden = parts[0]
+            parts.append(np.asarray(prompt_hidden, dtype=np.float64).reshape(n, -1))
+        parts.append(np.stack([np.log1p(np.asarray(prompt_tokens, dtype=np.float64)),
+                               np.log1p(np.asarray(generated, dtype=np.float64))], axis=1))
+        return np.hstack(parts)
 
-    def add(self, hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray, remaining: np.ndarray) -> None:
+    def add(self, hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray, remaining: np.ndarray,
+            prompt_hidden: np.ndarray | None = None) -> None:
         """Rows with their true remaining lengths (tokens after `generated`); rows past max_t are skipped."""
         gen = np.asarray(generated)
         if self.config.max_t is not None:
             keep = gen <= self.config.max_t
             hidden, prompt_tokens = np.asarray(hidden)[keep], np.asarray(prompt_tokens)[keep]
             gen, remaining = gen[keep], np.asarray(remaining)[keep]
-        x = self.features(hidden, prompt_tokens, gen)
+            prompt_hidden = None if prompt_hidden is None else np.asarray(prompt_hidden)[keep]
+        x = self.features(hidden, prompt_tokens, gen, prompt_hidden)
         y = np.log1p(np.maximum(np.asarray(remaining, dtype=np.float64), 0.0))
         self.n += len(x)
         self.sx += x.sum(0)
@@ -105,14 +119,16 @@ class SelfLengthHead:
     def trained(self) -> bool:
         return self.weights is not None
 
-    def predict_log(self, hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray) -> np.ndarray:
+    def predict_log(self, hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray,
+                    prompt_hidden: np.ndarray | None = None) -> np.ndarray:
         if self.weights is None:
             raise RuntimeError("the self length head has not been fitted")
-        return self.features(hidden, prompt_tokens, generated) @ self.weights + self.bias
+        return self.features(hidden, prompt_tokens, generated, prompt_hidden) @ self.weights + self.bias
 
-    def predict_remaining(self, hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray) -> np.ndarray:
+    def predict_remaining(self, hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray,
+                          prompt_hidden: np.ndarray | None = None) -> np.ndarray:
         """Predicted tokens still to come per row (>= 1)."""
-        log = np.clip(self.predict_log(hidden, prompt_tokens, generated), 0.0, 20.0)
+        log = np.clip(self.predict_log(hidden, prompt_tokens, generated, prompt_hidden), 0.0, 20.0)
         return np.maximum(np.expm1(log), 1.0)
 
     # ---- persistence ----------------------------------------------------------------------------
@@ -132,7 +148,9 @@ class SelfLengthHead:
     @classmethod
     def load(cls, path: str | Path) -> SelfLengthHead:
         with np.load(path, allow_pickle=False) as data:
-            head = cls(SelfHeadConfig(**json.loads(str(data["config"]))))
+            config = json.loads(str(data["config"]))
+            config.setdefault("prompt_state", False)  # saved before heads read the prompt's state
+            head = cls(SelfHeadConfig(**config))
             head.n, head.sy = float(data["n"]), float(data["sy"])
             head.sx, head.sxx, head.sxy = data["sx"].copy(), data["sxx"].copy(), data["sxy"].copy()
             if "weights" in data:

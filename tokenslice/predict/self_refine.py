@@ -28,6 +28,7 @@ from tokenslice.predict.self_head import SelfLengthHead
 class _Live:
     prompt_tokens: int
     predicted_at: int | None = None  # output tokens at the last prediction; None: none yet
+    prompt_state: list[float] | None = None  # the prompt's last-token state, captured at prefill
     rows: list[tuple[int, list[float]]] = field(default_factory=list)  # (generated, hidden) captured
 
 
@@ -91,7 +92,11 @@ class SelfRefiner:
         done = np.array([output_tokens.get(rid, 0) for rid in ids])
         states = np.asarray([hidden[rid] for rid in ids], dtype=np.float64)
         prompts = np.array([self._live[rid].prompt_tokens for rid in ids])
-        remaining = self.head.predict_remaining(states, prompts, done)
+        for rid in ids:
+            if self._live[rid].predicted_at is None:  # this state is the prompt's
+                self._live[rid].prompt_state = hidden[rid]
+        prompt_states = np.asarray([self._live[rid].prompt_state for rid in ids], dtype=np.float64)
+        remaining = self.head.predict_remaining(states, prompts, done, prompt_states)
         for rid, t in zip(ids, done.tolist(), strict=True):
             live = self._live[rid]
             live.predicted_at = t
@@ -114,7 +119,7 @@ class SelfRefiner:
             return
         gen = np.array([t for t, _ in live.rows])
         self.head.add(np.asarray([h for _, h in live.rows]), np.full(len(gen), live.prompt_tokens), gen,
-                      output_tokens - gen)
+                      output_tokens - gen, np.asarray([live.prompt_state] * len(gen)))
         self._finished_since_fit += 1
         if self._finished_since_fit >= self.head.config.refit_every:
             self._finished_since_fit = 0
