@@ -39,9 +39,23 @@ def greedy_tokens(llm: LLM) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
 
 
-def test_capture_leaves_greedy_tokens_unchanged_and_returns_the_one_pass_states() -> None:
-    llm = LLM(str(STORIES), dtype="float32")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_capture_leaves_greedy_tokens_unchanged_and_returns_the_one_pass_states(compiled: bool) -> None:
+    """Compiled: the CPU layer graphs capture between layers, so capturing steps stay compiled
+    (a tiny model built before serving gets whole-model graphs only: layer graphs are built here)."""
+    llm = LLM(str(STORIES), dtype="float32", compile=compiled, device="cpu")
+    inductor = None
+    if compiled:
+        from tokenslice.model.inductor_decode import InductorDecode, decoder_parts
+
+        graphs = llm.engine.runner.compiled
+        parts = decoder_parts(graphs.model)
+        inductor = InductorDecode(graphs.model, parts, graphs.kv, graphs.block_size, graphs.multi_row,
+                                  layer_graphs=True, whole_graphs=False)
+        inductor.build()
+        graphs.inductor = inductor
     plain = greedy_tokens(llm)
+    compiled_steps = inductor.steps if inductor is not None else 0
     arch = llm.engine.runner.model.arch
     head = fitted_head(layer=2, hidden=arch.hidden_size)
     refiner = SelfRefiner(head)
@@ -57,6 +71,8 @@ def test_capture_leaves_greedy_tokens_unchanged_and_returns_the_one_pass_states(
     refiner.apply = recording_apply  # type: ignore[method-assign]
     captured = greedy_tokens(llm)
     assert captured == plain
+    if inductor is not None:  # as many compiled steps with capture as without
+        assert compiled_steps > 0 and inductor.steps == 2 * compiled_steps
     # At prefill (t = 0) and every refine_every = 4 tokens after it, for each request.
     assert sorted({t for _, t in seen}) == list(range(0, GREEDY.max_tokens, 4))
     assert refiner.num_predictions == len(seen) == len(PROMPTS) * GREEDY.max_tokens // 4

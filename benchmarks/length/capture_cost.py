@@ -5,8 +5,10 @@ a batch of `--batch` requests; steps alternate between no capture and every row 
 state after `--layer` (the worst case: with refinement every k tokens about 1/k of the rows
 capture in a step), and the median step time of each is compared. Also the self head's
 prediction for a whole batch of captured states (apply: features and one matrix-vector product).
+`--compile`: decode steps compiled before the first (SmolLM2's one-row steps; its multi-row steps
+stay eager, model/compiled_decode.py), capturing between the layer graphs.
 
-    .venv/bin/python benchmarks/length/capture_cost.py [--batch 8] [--layer 20] [--steps 60]
+    .venv/bin/python benchmarks/length/capture_cost.py [--batch 8] [--layer 15] [--steps 60] [--compile]
 """
 from __future__ import annotations
 
@@ -29,11 +31,13 @@ HERE = Path(__file__).resolve().parent
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--layer", type=int, default=20)
+    ap.add_argument("--layer", type=int, default=15)
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--compile", action="store_true")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    llm = LLM("smollm2-135m-instruct", max_model_len=2048, max_batch_size=a.batch)
+    llm = LLM("smollm2-135m-instruct", max_model_len=2048, max_batch_size=a.batch, compile=a.compile,
+              compile_in_background=False)
     eng = llm.engine
     for i in range(a.batch):
         params = SamplingParams(temperature=0.0, max_tokens=10 * a.steps, ignore_eos=True)
@@ -68,12 +72,12 @@ def main() -> None:
         refiner.apply(hidden, {rid: 0 for rid in hidden})
         apply_s.append(time.perf_counter() - start)
     plain, captured = (1000 * float(np.median(times[c])) for c in (False, True))
-    out = {"batch": a.batch, "layer": a.layer, "steps_each": a.steps, "median_step_ms": plain,
+    out = {"batch": a.batch, "layer": a.layer, "compiled": a.compile, "steps_each": a.steps, "median_step_ms": plain,
            "median_step_capture_all_ms": captured, "capture_all_extra_ms": captured - plain,
            "predict_batch_ms": 1000 * float(np.median(apply_s)), "hidden_size": dim}
     print(json.dumps(out, indent=1))
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / f"capture_cost_b{a.batch}.json").write_text(json.dumps(out, indent=1) + "\n")
+    (HERE / "results" / f"capture_cost_b{a.batch}{'_compiled' if a.compile else ''}.json").write_text(json.dumps(out, indent=1) + "\n")
     llm.close()
 
 

@@ -36,6 +36,7 @@ from tokenslice.model.attention import AttentionMetadata, decode_slots, step_met
 from tokenslice.model.inductor_decode import CompileStatus, InductorDecode, decoder_parts
 from tokenslice.model.input_batch import DecodeInputs
 from tokenslice.model.layers import InputMajorLinear
+from tokenslice.model.llama import HiddenCapture
 from tokenslice.model.quant import QuantizedLinear
 
 log = logging.getLogger("tokenslice.model.compiled_decode")
@@ -130,19 +131,22 @@ class CompiledDecode:
     def _eager(self, *args: torch.Tensor) -> torch.Tensor:
         return _decode_logits(self.model, *args)
 
-    def logits(self, dec: DecodeInputs) -> torch.Tensor | None:
-        """[D, vocab] logits of a decode-only step, or None where no compiled shape fits it."""
+    def logits(self, dec: DecodeInputs, capture: HiddenCapture | None = None) -> torch.Tensor | None:
+        """[D, vocab] logits of a decode-only step, or None where no compiled shape fits it.
+        `capture` (rows after one layer): CPU layer graphs fill it; CUDA graphs cannot (None)."""
         if self.device.type != "cuda":
             if self.inductor is None or (len(dec.positions) > 1 and not self.multi_row):
                 return None
             ids, positions, slots, dec_slots = self._inputs(dec)
-            out = self.inductor.step(ids, positions, dec_slots)
+            out = self.inductor.step(ids, positions, dec_slots, capture)
             if out is None:  # its bucket is still being built: eager
                 return None
             logits, new_kv = out
             layers, _, blocks, bs, kvh, hd = self.kv.shape
             self.kv.view(layers, 2, blocks * bs, kvh, hd).index_copy_(2, slots, new_kv)
             return logits
+        if capture is not None:
+            return None
         d, bs = len(dec.positions), self.block_size
         b = next((b for b in self.batch_buckets if b >= d), None)
         c = next((c for c in self.ctx_buckets if c > int(dec.positions.max())), None)

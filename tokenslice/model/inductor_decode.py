@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from tokenslice.model.attention import AttentionMetadata
-from tokenslice.model.llama import LlamaForCausalLM
+from tokenslice.model.llama import HiddenCapture, LlamaForCausalLM
 from tokenslice.model.opt import OPT_POSITION_OFFSET, OPTForCausalLM
 
 log = logging.getLogger("tokenslice.model.compiled_decode")
@@ -260,12 +260,13 @@ class InductorDecode:
                  bucket.name, bucket.seconds, ready, len(self.buckets))
 
     # ---- serving -------------------------------------------------------------------------------
-    def step(self, ids: torch.Tensor, positions: torch.Tensor,
-             dec_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, dec_slots: torch.Tensor,
+             capture: HiddenCapture | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Logits and the new K/V of all layers, [layers, 2, D, KVH, hd], of a decode-only step;
-        None while its bucket is not built (or where none takes it)."""
+        None while its bucket is not built (or where none takes it). `capture`: rows after one
+        layer are copied out between the layer graphs (a whole-model graph cannot: not taken)."""
         rows = min(len(ids), 2)
-        built = [b for b in self.buckets if b.rows == rows and b.run is not None]
+        built = [b for b in self.buckets if b.rows == rows and b.run is not None and not (capture and b.whole)]
         if not built:
             return None
         bucket = built[-1]  # the whole model's once built
@@ -284,6 +285,8 @@ class InductorDecode:
             for i, layer in enumerate(self.parts.layers):
                 x, layer_kv = run(layer, x, aux, self.kv[i], positions, dec_slots)
                 new_kv.append(layer_kv)
+                if capture is not None and i == capture.layer:
+                    capture.out = x.index_select(0, capture.rows)
         self.steps += 1
         return self.parts.final(x), torch.stack(new_kv)
 

@@ -208,9 +208,11 @@ class ModelRunner:
         # counts as decode): logits of every row, nothing to select.
         every_row = not plan.prefill and all(s.sample and not s.prompt_logprob_targets for s in plan.decode)
         capture = self._hidden_capture(plan)
-        if self.compiled is not None and every_row and capture is None:  # compiled code returns logits only
+        if self.compiled is not None and every_row:  # compiled code returns logits (and captures) only
             self.prep_seconds += time.perf_counter() - t0
-            logits = self.compiled.logits(dec)
+            logits = self.compiled.logits(dec, capture)
+            if logits is not None and capture is not None:
+                self._take_hidden(plan, capture, result)
         if logits is None:
             ids = torch.from_numpy(dec.token_ids)
             if plan.prefill:
