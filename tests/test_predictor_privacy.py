@@ -67,3 +67,26 @@ def test_store_text_flag() -> None:
         return engine_config_from_args(build_parser().parse_args(["serve", *flags])).scheduler.length_predictor_store_text
 
     assert config() is False and config("--length-predictor-store-text") is True
+
+
+def test_chat_requests_reach_the_predictor_in_the_clients_words(predictor_dir: Path) -> None:
+    """Behind `serve`, the embedding predictor reads a chat's message contents, as it was seeded
+    (prompts), not the chat template's rendering; a completion's prompt as sent."""
+    import sqlite3
+
+    import httpx
+
+    from serverkit import HTTP_TIMEOUT_S, start_server
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Tell {CANARY} a story."}]
+    with start_server("--policy", "srpt-predicted", "--length-predictor", str(predictor_dir),
+                      "--length-predictor-store-text", "--kv-cache-blocks", "64", "--max-model-len", "256") as srv:
+        for route, body in (("/v1/chat/completions", {"messages": messages}),
+                            ("/v1/completions", {"prompt": f"Once {CANARY} sang."})):
+            r = httpx.post(srv.url(route), json={"model": srv.server.settings.served_model_name, "max_tokens": 4,
+                                                 "temperature": 0, **body}, timeout=HTTP_TIMEOUT_S)
+            assert r.status_code == 200, r.text
+    db = sqlite3.connect(str(predictor_dir / "history.sqlite3"))
+    learnt = [row[0] for row in db.execute("SELECT prompt FROM records ORDER BY id").fetchall()[4:]]
+    db.close()
+    assert learnt == [f"Be brief.\nTell {CANARY} a story.", f"Once {CANARY} sang."]

@@ -204,6 +204,9 @@ class EngineRequest:
     prefix_leader: str | None = None  # Request.prefix_leader
     tenant: str | None = None  # the API key's tenant (serve --api-keys): vtc shares service per tenant
     delivery_rate: float | None = None  # Request.delivery_rate; None: the server's
+    # What the client asked in its own words (a prompt, a chat's message contents: no template),
+    # for the embedding length predictor, which was seeded with such text; None: detokenized ids.
+    prompt_text: str | None = None
 
 
 class Request:

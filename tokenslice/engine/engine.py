@@ -159,7 +159,7 @@ class Engine:
         req.cache_prefix = new.cache_prefix
         req.prefix_leader = new.prefix_leader
         if self.lengths is not None and self.tokenizer is not None:
-            self.lengths.predict(req, prompt_text)
+            self.lengths.predict(req, prompt_text if prompt_text is not None else new.prompt_text)
         self.scheduler.add(req, now)
         if self._text is not None and self.detokenize:
             self._text.add(req.request_id, ids, params)

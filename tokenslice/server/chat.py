@@ -14,6 +14,7 @@ from tokenslice.server.errors import APIError
 from tokenslice.server.generation_config import with_defaults
 from tokenslice.server.logprobs import TokenTexts, chat_logprobs
 from tokenslice.server.openapi import ok_doc
+from tokenslice.server.prompts import message_text
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                         ChatLogprobs, ChatMessageOut, ChatStreamChoice, DeltaMessage, StreamOptions)
 from tokenslice.server.sampling import check_logprobs, check_stream_options, sampling_params
@@ -49,7 +50,7 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     default = server.settings.default_sampling.get("max_tokens")
     params = sampling_params(body, server.info, requested or (min(default, room) if default else room),
                              (body.top_logprobs or 0) if body.logprobs else None)
-    choices = await server.submit_choices(track, [ids], params, body.n, body)
+    choices = await server.submit_choices(track, [ids], params, body.n, body, [message_text(body.messages)])
     model, created = server.settings.served_model_name, int(time.time())
     texts = TokenTexts(server.logprob_tokenizer) if body.logprobs else None
     stops = StopReasons.for_request(body, server.tokenizer)

@@ -45,7 +45,8 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
     ids = [await run_in_threadpool(server.prompts.tokenize_prompt, p) if isinstance(p, str) else p for p in prompts]
     for one in ids:
         server.prompts.check_room(one, body.max_tokens, "max_tokens")
-    choices = await server.submit_choices(track, ids, params, copies, body)
+    choices = await server.submit_choices(track, ids, params, copies, body,
+                                          [p if isinstance(p, str) else None for p in prompts])
     model, created = server.settings.served_model_name, int(time.time())
     rendering = CompletionChoices(body, prompts, TokenTexts(server.logprob_tokenizer), server.tokenizer,
                                   StopReasons.for_request(body, server.tokenizer))

@@ -118,6 +118,12 @@ class PromptTokenizer:
         return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
+def message_text(messages: list[ChatMessage]) -> str:
+    """The conversation in the client's words, no template: what the embedding length predictor
+    reads (it was seeded with prompts, not with a model's chat rendering)."""
+    return "\n".join(t for i, m in enumerate(messages) if (t := _message_text(m, i)))
+
+
 def _message_text(m: ChatMessage, i: int) -> str:
     if m.content is None or isinstance(m.content, str):
         return m.content or ""

@@ -56,14 +56,15 @@ class Server:
                            param="model", code="model_not_found")
 
     async def submit(self, track: Track, request_id: str, prompt: list[int], params: SamplingParams,
-                     body: SamplingFields, prefix_leader: str | None = None) -> RequestStream:
+                     body: SamplingFields, prefix_leader: str | None = None,
+                     prompt_text: str | None = None) -> RequestStream:
         try:
             return await self.async_engine.add_request(EngineRequest(
                 request_id, prompt, params, arrival_time=track.start, user=body.user, tenant=track.tenant.name,
                 priority=self.priority_for(track.tenant, body.priority),
                 expected_output_tokens=body.tokenslice.expected_output_tokens if body.tokenslice else None,
                 delivery_rate=body.tokenslice.delivery_rate if body.tokenslice else None,
-                prefix_leader=prefix_leader))
+                prefix_leader=prefix_leader, prompt_text=prompt_text))
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except EngineOverloadedError:
@@ -81,10 +82,10 @@ class Server:
         return tenant.clamp(priority) if self.info.uses_priority else priority
 
     async def submit_choices(self, track: Track, prompts: list[list[int]], params: SamplingParams, copies: int,
-                             body: SamplingFields) -> list[Choice]:
+                             body: SamplingFields, texts: list[str | None] | None = None) -> list[Choice]:
         """`copies` engine requests per prompt, each its own scheduled request: the request id for
         a single one, `{id}-{k}` (k = prompt index x copies + i) for several. All or none, and
-        within the tenant's limits (429 past them)."""
+        within the tenant's limits (429 past them). `texts`: each prompt in the client's words."""
         track.prompt_tokens = sum(len(p) for p in prompts)  # streamed usage may be sent before any output
         single = len(prompts) * copies == 1
         choices: list[Choice] = []
@@ -98,7 +99,8 @@ class Server:
                         sp = dataclasses.replace(params, seed=sibling_seed(params.seed, i))
                         # Siblings start from the first one's prompt KV (prefix cache) instead of recomputing it.
                         leader = choices[pi * copies].stream.request_id if i else None
-                        choices.append(Choice(pi, ids, await self.submit(track, rid, ids, sp, body, leader)))
+                        text = texts[pi] if texts is not None else None
+                        choices.append(Choice(pi, ids, await self.submit(track, rid, ids, sp, body, leader, text)))
                         accepted(choices[-1].stream)
         except TenantLimitError as e:
             self.metrics.tenant_limited(track.tenant.name, e.limit)
