@@ -18,6 +18,9 @@ Metric: mean normalized latency (end-to-end seconds / output tokens); the share 
 srpt-oracle gap a variant closes is (fcfs - variant) / (fcfs - oracle).
 
     nohup .venv/bin/python benchmarks/length/http_sched.py > /tmp/http_sched.log 2>&1 &
+
+`--update`: rerun only `--variants` on the workload, rate and arrivals already in `--out`
+(after a change to one of them), replacing their runs there.
 """
 from __future__ import annotations
 
@@ -118,6 +121,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", type=Path, default=HERE / "results" / "http_sched.json")
+    ap.add_argument("--update", action="store_true", help="rerun --variants on the workload and arrivals in --out")
     a = ap.parse_args()
     texts = prompt_texts()
     recs = [json.loads(line) for line in RESULTS.read_text().splitlines()]
@@ -128,18 +132,26 @@ def main() -> None:
     print(f"{len(reqs)} test prompts: mean recorded length {np.mean(recorded):.0f} tokens, "
           f"{sum(r['finish_reason'] == 'length' for r in reqs)} at the {MAX_TOKENS}-token cap", flush=True)
     result: dict[str, Any] = {"num_requests": len(reqs), "seed": a.seed, "ids": [r["id"] for r in reqs], "runs": []}
+    labels = a.variants.split(",")
     with tempfile.TemporaryDirectory(prefix="tokenslice-self-") as tmp:
-        server = serve("fcfs", None, Path(tmp))
-        try:
-            t0 = time.perf_counter()
-            asyncio.run(run_workload(server.url, reqs[:PROBE], np.zeros(PROBE), False))
-            rate = 0.9 * PROBE / (time.perf_counter() - t0)
-        finally:
-            server.stop()
-        arrivals = arrival_times(len(reqs), rate, 4.0, np.random.default_rng(a.seed + 1))
-        result |= {"rate_rps": rate, "arrivals": arrivals.tolist()}
+        if a.update:
+            before = json.loads(a.out.read_text())
+            if before["ids"] != result["ids"]:
+                raise SystemExit(f"{a.out} holds another workload (its prompt sample differs)")
+            rate, arrivals = before["rate_rps"], np.array(before["arrivals"])
+            result = before | {"runs": [r for r in before["runs"] if r["variant"] not in labels]}
+        else:
+            server = serve("fcfs", None, Path(tmp))
+            try:
+                t0 = time.perf_counter()
+                asyncio.run(run_workload(server.url, reqs[:PROBE], np.zeros(PROBE), False))
+                rate = 0.9 * PROBE / (time.perf_counter() - t0)
+            finally:
+                server.stop()
+            arrivals = arrival_times(len(reqs), rate, 4.0, np.random.default_rng(a.seed + 1))
+            result |= {"rate_rps": rate, "arrivals": arrivals.tolist()}
         print(f"rate {rate:.4f} req/s (0.9 x fcfs saturation), CV 4, last arrival {arrivals[-1]:.0f}s", flush=True)
-        for label in a.variants.split(","):
+        for label in labels:
             policy, predictor = VARIANTS[label]
             server = serve(policy, predictor, Path(tmp))
             try:
