@@ -175,7 +175,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
          help="MLFQ: promote jobs waiting longer than this (default: from the SLO)")
     flag(SchedulerConfig, "slo_normalized_latency", help="s/token; informs policy defaults")
     flag(SchedulerConfig, "length_predictor", metavar="DIR",
-         help="output-length predictor directory from `tokenslice predictor build` (srpt-predicted)")
+         help="output-length predictor directory (srpt-predicted); what it holds chooses: an embedding "
+              "predictor (`tokenslice predictor build`), a self length head on the model's hidden states "
+              "(`predictor build-self`, refined while decoding), or both (blended at prefill)")
     flag(SchedulerConfig, "length_predictor_store_text",
          help="also store each finished prompt's text in the predictor's history (default: only its "
               "embedding and lengths)")
