@@ -277,6 +277,8 @@ def test_a_tenant_sees_and_changes_only_its_own_requests(psrv: RunningServer) ->
     # The victim's request waits at priority 10 behind the attacker's (5: its range's best).
     with long_stream(psrv, "key-victim", user="victim-user-7", priority=10) as v_id, \
             long_stream(psrv, "key-attacker", user="attacker-user") as a_id:
+        # /v1/state is a snapshot up to 0.25 s old (server/state.py): wait until it holds both.
+        until(lambda: {q["id"] for q in live_of(psrv, OPS_KEY)} == {v_id, a_id}, timeout=HTTP_TIMEOUT_S)
         seen = {q["id"] for q in live_of(psrv, "key-attacker")}
         assert a_id in seen and v_id not in seen
         raw = httpx.get(psrv.url("/v1/state"), headers=auth("key-attacker"), timeout=HTTP_TIMEOUT_S).text
