@@ -133,12 +133,12 @@ class Engine:
         params.validate()  # before tokenizing: a bad setting is the clearer error
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         new = EngineRequest(rid, self.tokenize(prompt), params, arrival_time, user, priority,
-                            expected_output_tokens, predicted_output_tokens, eos_after)
-        return self.add(new, prompt if isinstance(prompt, str) else None)
+                            expected_output_tokens, predicted_output_tokens, eos_after,
+                            prompt_text=prompt if isinstance(prompt, str) else None)
+        return self.add(new)
 
-    def add(self, new: EngineRequest, prompt_text: str | None = None) -> Request:
-        """Validate and admit a request; raises InvalidRequestError for one the engine refuses.
-        `prompt_text` spares the length predictor a detokenization."""
+    def add(self, new: EngineRequest) -> Request:
+        """Validate and admit a request; raises InvalidRequestError for one the engine refuses."""
         params = new.params
         params.validate()
         params.check_vocab(self.vocab_size)
@@ -159,7 +159,7 @@ class Engine:
         req.cache_prefix = new.cache_prefix
         req.prefix_leader = new.prefix_leader
         if self.lengths is not None and self.tokenizer is not None:
-            self.lengths.predict(req, prompt_text if prompt_text is not None else new.prompt_text)
+            self.lengths.predict(req, new.prompt_text)
         self.scheduler.add(req, now)
         if self._text is not None and self.detokenize:
             self._text.add(req.request_id, ids, params)

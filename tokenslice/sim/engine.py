@@ -35,8 +35,8 @@ class SimulatedEngine(Engine):
         self._arrivals = 0  # requests added since the last step
         self._step_began = 0.0  # when the last executed step began (pipelined: its wait began); traced
 
-    def add(self, new: EngineRequest, prompt_text: str | None = None) -> Request:
-        req = super().add(new, prompt_text)
+    def add(self, new: EngineRequest) -> Request:
+        req = super().add(new)
         self._arrivals += 1  # the loop cost of the next step grows with them
         return req
 
