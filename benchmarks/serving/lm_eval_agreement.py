@@ -37,6 +37,8 @@ from typing import Any
 
 import httpx
 
+from tokenslice.bench.servers import stop_process
+
 ROOT = Path(__file__).resolve().parents[2]
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval_task"
 TASK = "tokenslice_mc"
@@ -100,15 +102,6 @@ def start_server(quantization: str, port: int, log_path: Path) -> subprocess.Pop
         time.sleep(1)
     proc.terminate()
     raise RuntimeError(f"server not up in 300 s; see {log_path}")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def run_lmeval(port: int, tokenizer_dir: Path, lmeval_dir: Path, out_dir: Path) -> dict[str, Any]:
@@ -206,7 +199,7 @@ def main() -> None:
             try:
                 runs[f"tokenslice-{quant}"] = run_lmeval(port, tokenizer_dir, lmeval_dir, tmp / f"lmeval-{quant}")
             finally:
-                stop(proc)
+                stop_process(proc)
             log(f"tokenslice-{quant}: acc {runs[f'tokenslice-{quant}']['acc']}")
 
         log("transformers, float32, CPU")

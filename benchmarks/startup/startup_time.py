@@ -36,6 +36,8 @@ from typing import Any
 
 import httpx
 
+from tokenslice.bench.servers import stop_process
+
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = {"stories260k": str(ROOT.parent / "shared" / "models" / "stories260k"),
           "smollm2-135m-instruct": "smollm2-135m-instruct"}
@@ -147,12 +149,7 @@ def run_start(model: str, start: str, cache_home: Path, a: argparse.Namespace, l
     except Exception as e:  # recorded, and the next start goes on
         result.error = f"{type(e).__name__}: {e}"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
     result.phases = log_phases(log_path.read_text(), launched_at)
     return result
 

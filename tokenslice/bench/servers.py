@@ -106,14 +106,19 @@ class ServerProcess:
         return Path(self.log.name).read_text()[-chars:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.log.close()
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM a child still running, SIGKILL it if it has not exited within `timeout_s`; reaped."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 @contextmanager
@@ -130,4 +135,4 @@ def running_server(spec: ServerSpec, policy: str, slo_normalized_latency: float 
 
 
 __all__ = ["ServerSpec", "ServerProcess", "running_server", "serve_command", "served_name", "free_port",
-           "STARTUP_TIMEOUT_S", "STOP_TIMEOUT_S"]
+           "STARTUP_TIMEOUT_S", "STOP_TIMEOUT_S", "stop_process"]
