@@ -3,12 +3,15 @@ the test process (so tests can also inspect the engine), built exactly as `token
 builds it. Always stopped by the caller (use it as a context manager or call stop())."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import signal
 import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -18,6 +21,7 @@ import uvicorn
 
 from tokenslice.cli import build_parser
 from tokenslice.cli.serve import serve_app_from_args
+from tokenslice.cli.serve_options import uvicorn_options
 from tokenslice.engine.protocol import EngineInfo
 from tokenslice.engine.engine import Engine
 from tokenslice.server.serving import Server
@@ -88,19 +92,22 @@ class RunningServer:
 
 
 def start_server(*flags: str) -> RunningServer:
-    """Start `tokenslice serve --model builtin:tiny <flags>` in-process on a free port."""
+    """Start `tokenslice serve --model builtin:tiny <flags>` in-process on a free port, with the
+    uvicorn settings `serve` gives those flags (root path, connection limits)."""
     args = build_parser().parse_args(["--log-level", "INFO", "serve", "--model", "builtin:tiny", "--no-compile", *flags])
-    return serve_app(serve_app_from_args(args))
+    options = {k: v for k, v in uvicorn_options(args).items() if k not in ("host", "port", "log_level")}
+    return serve_app(serve_app_from_args(args), **options)
 
 
-def serve_app(app: Any, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> RunningServer:
-    """Serve an ASGI app (the API server, `tokenslice view`'s) with uvicorn in a thread, on a free port."""
+def serve_app(app: Any, startup_timeout_s: float = STARTUP_TIMEOUT_S, **uvicorn_settings: Any) -> RunningServer:
+    """Serve an ASGI app (the API server, `tokenslice view`'s) with uvicorn in a thread, on a free
+    port; `uvicorn_settings`: more of uvicorn.Config's keywords."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, **uvicorn_settings)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True)
     thread.start()
@@ -158,3 +165,89 @@ def stop_child(proc: Any) -> str:
         proc.kill()
         out, _ = proc.communicate()
     return out
+
+
+# ---- the server behind a path prefix ------------------------------------------------------------
+# How a client reaches a server: directly ("plain"); a server started with --root-path that gets
+# the paths without the prefix, as a prefix-stripping proxy forwards them ("root-path"); and
+# through such a proxy, the client sending the prefix ("proxy").
+REACH_MODES = ("plain", "root-path", "proxy")
+ROOT_PATH = "/api"
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "host"}
+
+
+class PrefixProxy:
+    """A reverse proxy on 127.0.0.1 that takes requests under `prefix`, strips it and forwards them
+    to `upstream` as they are (duplicate headers too), streaming the answer back; 404 for paths
+    outside the prefix. Stopped by the caller."""
+
+    def __init__(self, prefix: str, upstream: str) -> None:
+        import http.client
+        import http.server
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream)
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:  # quiet
+                pass
+
+            def forward(self) -> None:
+                if not (self.path == prefix or self.path.startswith(prefix + "/") or self.path.startswith(prefix + "?")):
+                    self.send_error(404)
+                    return
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=HTTP_TIMEOUT_S)
+                try:
+                    conn.putrequest(self.command, self.path[len(prefix):] or "/", skip_accept_encoding=True)
+                    for name, value in self.headers.items():
+                        if name.lower() not in HOP_BY_HOP:
+                            conn.putheader(name, value)
+                    conn.endheaders(body)
+                    resp = conn.getresponse()
+                    self.send_response_only(resp.status, resp.reason)
+                    for name, value in resp.getheaders():
+                        if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
+                            self.send_header(name, value)
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    while chunk := resp.read1(65536):  # as it arrives: streamed answers stay streamed
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client left: closing the upstream connection tells the server
+                finally:
+                    conn.close()
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = do_HEAD = forward
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="prefix-proxy", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(30)
+
+
+@contextmanager
+def server_reached(mode: str, *flags: str) -> Iterator[RunningServer]:
+    """start_server(*flags), reached as `mode` (REACH_MODES) says: the yielded server's base_url
+    is where a client of that mode sends its requests."""
+    if mode == "plain":
+        with start_server(*flags) as srv:
+            yield srv
+        return
+    with start_server(*flags, "--root-path", ROOT_PATH) as srv:
+        if mode == "root-path":
+            yield srv
+            return
+        proxy = PrefixProxy(ROOT_PATH, srv.base_url)
+        try:
+            yield dataclasses.replace(srv, base_url=proxy.url + ROOT_PATH)
+        finally:
+            proxy.stop()

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from serverkit import RunningServer, start_server, until, wait_idle
+from serverkit import REACH_MODES, RunningServer, server_reached, start_server, until, wait_idle
 from tokenslice.config import SchedulerConfig
 from tokenslice.engine.protocol import EngineStats, RequestStream
 from tokenslice.predict.cost import load_cost_model
@@ -227,11 +227,21 @@ def test_vtc_shares_service_per_tenant_whatever_its_users() -> None:
 
 
 # ---- a real server: priority ranges, who sees what, limits, /metrics -------------------------
-@pytest.fixture(scope="module")
-def psrv(keys_file: str) -> Iterator[RunningServer]:
-    with start_server("--policy", "priority", "--max-batch-size", "1", "--kv-cache-blocks", "512",
-                      "--api-keys", keys_file, "--metrics-require-key", *GUARD_FLAGS) as s:
+@pytest.fixture(scope="module", params=REACH_MODES)
+def psrv(keys_file: str, request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    """Reached directly, with --root-path, and through a prefix-stripping proxy: the keys hold in each."""
+    with server_reached(request.param, "--policy", "priority", "--max-batch-size", "1", "--kv-cache-blocks", "512",
+                        "--api-keys", keys_file, "--metrics-require-key", *GUARD_FLAGS) as s:
         yield s
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/v1/state"), ("POST", "/v1/completions"), ("POST", "/tokenize"),
+                                         ("GET", "/metrics"), ("POST", "/v1/requests/x/priority")])
+def test_no_key_no_answer(psrv: RunningServer, method: str, path: str) -> None:
+    """The keyless caller sees nothing and changes nothing, however the server is reached."""
+    r = httpx.request(method, psrv.url(path), json={"model": MODEL, "prompt": "hi", "priority": 0},
+                      timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 401, (path, r.status_code, r.text[:200])
 
 
 def completion(srv: RunningServer, key: str, max_tokens: int, **extra: object) -> httpx.Response:

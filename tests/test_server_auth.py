@@ -1,4 +1,6 @@
-"""--api-key: every /v1/* route needs `Authorization: Bearer KEY`; /health and /metrics stay open."""
+"""--api-key: every route but the public ones (/health, /ping, /version, /metrics, the page and the
+API's description) needs `Authorization: Bearer KEY`, whether the server is reached directly, with
+--root-path as a prefix-stripping proxy forwards to it, or through such a proxy (serverkit.REACH_MODES)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -7,16 +9,51 @@ import httpx
 import openai
 import pytest
 
-from serverkit import RunningServer, start_server
+from serverkit import REACH_MODES, RunningServer, server_reached
 
 KEY = "test-key-123"
 MODEL = "builtin:tiny"
+HTTP_TIMEOUT_S = 60.0  # a failure deadline, not a performance check
 
 
-@pytest.fixture(scope="module")
-def srv() -> Iterator[RunningServer]:
-    with start_server("--kv-cache-blocks", "16", "--api-key", KEY) as s:
+@pytest.fixture(scope="module", params=REACH_MODES)
+def srv(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    with server_reached(request.param, "--kv-cache-blocks", "16", "--api-key", KEY) as s:
         yield s
+
+
+# Every route that is not public, some unknown paths, and odd spellings of keyed paths.
+KEYED = [("GET", "/v1/models"), ("GET", "/v1/state"), ("GET", "/v1/state/stream"), ("POST", "/v1/completions"),
+         ("POST", "/v1/chat/completions"), ("POST", "/v1/requests/cmpl-1/priority"), ("POST", "/tokenize"),
+         ("POST", "/detokenize"), ("GET", "/tokenizer_info"), ("GET", "/v1"), ("GET", "/"), ("GET", "/nope"),
+         ("GET", "/v1/../v1/state"), ("GET", "//v1/state"), ("GET", "/V1/state"), ("OPTIONS", "/v1/completions"),
+         ("GET", "/dashboard/static"), ("GET", "/healthz")]
+PUBLIC = ["/health", "/ping", "/version", "/metrics", "/dashboard", "/dashboard/static/dashboard.js",
+          "/openapi.json", "/docs"]
+
+
+@pytest.mark.parametrize("method,path", KEYED)
+def test_every_route_but_the_public_ones_needs_the_key(srv: RunningServer, method: str, path: str) -> None:
+    r = httpx.request(method, srv.url(path), json={"prompt": "hi", "max_tokens": 2, "tokens": [1]})
+    assert r.status_code == 401, (method, path, r.status_code, r.text[:200])
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    with httpx.stream(method, srv.url(path), headers={"Authorization": f"Bearer {KEY}"}, timeout=HTTP_TIMEOUT_S,
+                      json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "tokens": [1], "priority": 0}) as r:
+        assert r.status_code != 401, (method, path)  # the status only: /v1/state/stream never ends
+
+
+@pytest.mark.parametrize("path", PUBLIC)
+def test_public_routes_need_no_key(srv: RunningServer, path: str) -> None:
+    assert httpx.get(srv.url(path)).status_code == 200
+
+
+def test_two_authorization_headers_are_400(srv: RunningServer) -> None:
+    """A proxy that checks the first and a server that takes the last would disagree on who asks."""
+    for pair in ([KEY, "wrong"], ["wrong", KEY], [KEY, KEY]):
+        headers = [("Authorization", f"Bearer {k}") for k in pair]
+        r = httpx.get(srv.url("/v1/models"), headers=headers)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_authorization", (pair, r.text)
+    assert httpx.get(srv.url("/health"), headers=[("Authorization", "a"), ("Authorization", "b")]).status_code == 400
 
 
 def _calls(c: openai.OpenAI) -> list:

@@ -156,6 +156,15 @@ def add_subcommand(sub: Any) -> None:
     add_field_flag(s, ServerSettings, "max_waiting",
                    help="requests allowed to wait for their first token; more get 429 with Retry-After")
     add_field_flag(s, ServerSettings, "max_body_bytes", help="larger request bodies get 413")
+    add_field_flag(s, ServerSettings, "max_prompts_per_request",
+                   help="most prompts in one completions request (a list of prompts); more get 400. Every "
+                        "prompt x n is an engine request, counted against --max-waiting and the tenant's limits "
+                        "before any is admitted")
+    add_field_flag(s, ServerSettings, "request_read_timeout_s",
+                   help="seconds a client may take to send a request's headers, and again its body; a slower "
+                        "connection is closed (a slow body gets 408)")
+    add_field_flag(s, ServerSettings, "max_connections_per_client",
+                   help="open connections per client address; more are answered 503 and closed (0: no bound)")
     add_field_flag(s, ModelConfig, "compile_in_background", action=argparse.BooleanOptionalAction,
                    help="CPU: serve at once with eager decode steps and swap compiled ones in as they are built "
                         "(the default; /v1/state's compiled_decode says when); --no-compile-in-background: "

@@ -101,10 +101,18 @@ def server_settings(a: argparse.Namespace) -> ServerSettings:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
     if a.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {a.max_body_bytes}")
+    if a.max_prompts_per_request < 1:
+        raise ValueError(f"--max-prompts-per-request must be >= 1, got {a.max_prompts_per_request}")
+    if not a.request_read_timeout_s > 0:
+        raise ValueError(f"--request-read-timeout-s must be > 0, got {a.request_read_timeout_s}")
+    if a.max_connections_per_client < 0:
+        raise ValueError(f"--max-connections-per-client must be >= 0 (0: no bound), got {a.max_connections_per_client}")
     names = list(dict.fromkeys(a.served_model_name or [served_model_name(a.model)]))
     return ServerSettings(
         served_model_name=names[0], other_model_names=tuple(names[1:]), model_root=a.model,
         api_key=a.api_key or None, max_waiting=a.max_waiting, max_body_bytes=a.max_body_bytes,
+        max_prompts_per_request=a.max_prompts_per_request, request_read_timeout_s=a.request_read_timeout_s,
+        max_connections_per_client=a.max_connections_per_client,
         engine_process=a.engine_process, chat_template=load_chat_template(a.chat_template),
         default_sampling=load_generation_defaults(a.generation_config, a.model, a.override_generation_config),
         max_logprobs=a.max_logprobs, return_tokens_as_token_ids=a.return_tokens_as_token_ids,
@@ -117,7 +125,11 @@ def uvicorn_options(a: argparse.Namespace) -> dict[str, Any]:
     """uvicorn.Config's keywords for the serve flags."""
     if (a.ssl_keyfile is None) != (a.ssl_certfile is None):
         raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
-    out: dict[str, Any] = {"host": a.host, "port": a.port, "log_level": a.uvicorn_log_level or a.log_level.lower()}
+    from tokenslice.server.connections import ConnectionLimits, guarded_http_protocol
+
+    out: dict[str, Any] = {"host": a.host, "port": a.port, "log_level": a.uvicorn_log_level or a.log_level.lower(),
+                           "http": guarded_http_protocol(ConnectionLimits(a.request_read_timeout_s,
+                                                                          a.max_connections_per_client))}
     if a.root_path:
         out["root_path"] = a.root_path
     if a.ssl_keyfile:

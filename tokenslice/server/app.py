@@ -6,10 +6,11 @@ data, server/state.py), POST /tokenize, POST /detokenize, GET /tokenizer_info, G
 GET /version, GET /metrics (server/routes.py), and the live view's page GET /dashboard
 (server/dashboard.py). Every error body is OpenAI's `{"error": {"message", "type", "param",
 "code"}}` (server/errors.py).
-/v1/*, /tokenize, /detokenize and /tokenizer_info need `Authorization: Bearer KEY` when an API key is set;
-/health, /ping, /version, /metrics and /dashboard (a page without data) stay open so that
-probes and scrapers need no secret (server/middleware.py); --metrics-require-key closes /metrics
-to all but admin keys. With --api-keys each key stands for a tenant (server/identity.py).
+When an API key is set, every path needs `Authorization: Bearer KEY` but /health, /ping, /version,
+/metrics, /dashboard (a page without data) and the API's description (/openapi.json, /docs,
+/redoc), so that probes and scrapers need no secret; the check fails closed, on the path the
+router routes (`--root-path` removed; server/middleware.py). --metrics-require-key closes
+/metrics to all but admin keys. With --api-keys each key stands for a tenant (server/identity.py).
 
 One log line per generation request (id, tokens, finish reason, latency); prompt and output
 text are never logged.
@@ -68,7 +69,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     install_openapi(app, settings, engine.info)
     # Added last = outermost: the key is checked before any body is read.
     app.add_middleware(UnexpectedErrorMiddleware, handler=unexpected)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=server.metrics.reject)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=server.metrics.reject,
+                       read_timeout_s=settings.request_read_timeout_s)
     app.add_middleware(APIKeyMiddleware, keyring=server.keyring, on_reject=server.metrics.reject,
                        metrics_require_key=settings.metrics_require_key)
     if settings.allowed_origins:  # outermost: a browser's preflight needs no key (--allowed-origins)

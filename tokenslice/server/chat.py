@@ -18,7 +18,7 @@ from tokenslice.server.prompts import message_text
 from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                                         ChatLogprobs, ChatMessageOut, ChatStreamChoice, DeltaMessage, StreamOptions)
 from tokenslice.server.sampling import check_logprobs, check_stream_options, sampling_params
-from tokenslice.server.serving import Server
+from tokenslice.server.serving import ClientWatch, Server
 from tokenslice.server.sse import sse
 from tokenslice.server.streaming import StreamFormat, stream_response
 from tokenslice.server.track import Track, new_track
@@ -28,10 +28,12 @@ def add_chat_route(router: APIRouter, server: Server) -> None:
     @router.post("/chat/completions", response_model=None,
                  responses=ok_doc(ChatCompletionResponse, "A chat completion"))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(server, body, request)
+        async with ClientWatch(request) as client:
+            return await create_chat_completion(server, body, request, client)
 
 
-async def create_chat_completion(server: Server, body: ChatCompletionRequest, request: Request) -> Response:
+async def create_chat_completion(server: Server, body: ChatCompletionRequest, request: Request,
+                                 client: ClientWatch) -> Response:
     track = new_track(request, "chatcmpl", "/v1/chat/completions")
     server.check_model(body.model)
     check_stream_options(body)
@@ -50,7 +52,7 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     default = server.settings.default_sampling.get("max_tokens")
     params = sampling_params(body, server.info, requested or (min(default, room) if default else room),
                              (body.top_logprobs or 0) if body.logprobs else None)
-    choices = await server.submit_choices(track, [ids], params, body.n, body, [message_text(body.messages)])
+    choices = await server.submit_choices(track, [ids], params, body.n, body, [message_text(body.messages)], client)
     model, created = server.settings.served_model_name, int(time.time())
     texts = TokenTexts(server.logprob_tokenizer) if body.logprobs else None
     stops = StopReasons.for_request(body, server.tokenizer)
@@ -59,7 +61,7 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
         stream = ChatStream(track, created, model, len(choices), body.stream_options, texts, stops)
         return stream_response(server.async_engine, track, choices, stream)
 
-    await server.collect(choices, request, track)
+    await server.collect(choices, client, track)
     resp = ChatCompletionResponse(id=track.request_id, created=created, model=model, usage=track.usage, choices=[
         ChatChoice(index=k, message=ChatMessageOut(content=c.text), logprobs=_logprobs(texts, c, c.logprobs),
                    finish_reason=finish_reason(c.finish_reason), stop_reason=stops.of(c))

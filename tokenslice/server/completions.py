@@ -22,7 +22,7 @@ from tokenslice.server.openapi import ok_doc
 from tokenslice.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
                                         CompletionResponse, StreamOptions)
 from tokenslice.server.sampling import check_logprobs, check_stream_options, sampling_params
-from tokenslice.server.serving import Server
+from tokenslice.server.serving import ClientWatch, Server
 from tokenslice.server.sse import sse
 from tokenslice.server.streaming import StreamFormat, stream_response
 from tokenslice.server.track import Track, new_track
@@ -31,10 +31,12 @@ from tokenslice.server.track import Track, new_track
 def add_completion_route(router: APIRouter, server: Server) -> None:
     @router.post("/completions", response_model=None, responses=ok_doc(CompletionResponse, "A completion"))
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(server, body, request)
+        async with ClientWatch(request) as client:
+            return await create_completion(server, body, request, client)
 
 
-async def create_completion(server: Server, body: CompletionRequest, request: Request) -> Response:
+async def create_completion(server: Server, body: CompletionRequest, request: Request, client: ClientWatch
+                            ) -> Response:
     track = new_track(request, "cmpl", "/v1/completions")
     server.check_model(body.model)
     check_stream_options(body)
@@ -42,11 +44,15 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
     body = with_defaults(body, server.settings.default_sampling)
     params, copies = completion_params(body, server.info, server.settings.default_sampling.get("max_tokens"))
     prompts = _prompt_list(body.prompt)
-    ids = [await run_in_threadpool(server.prompts.tokenize_prompt, p) if isinstance(p, str) else p for p in prompts]
+    server.check_admission(track.tenant, len(prompts), copies)  # before any prompt is tokenized
+    ids = []
+    for p in prompts:
+        client.check(track)
+        ids.append(await run_in_threadpool(server.prompts.tokenize_prompt, p) if isinstance(p, str) else p)
     for one in ids:
         server.prompts.check_room(one, body.max_tokens, "max_tokens")
     choices = await server.submit_choices(track, ids, params, copies, body,
-                                          [p if isinstance(p, str) else None for p in prompts])
+                                          [p if isinstance(p, str) else None for p in prompts], client)
     model, created = server.settings.served_model_name, int(time.time())
     rendering = CompletionChoices(body, prompts, TokenTexts(server.logprob_tokenizer), server.tokenizer,
                                   StopReasons.for_request(body, server.tokenizer))
@@ -55,7 +61,7 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
         stream = CompletionStream(track, created, model, len(choices), body.stream_options, rendering)
         return stream_response(server.async_engine, track, choices, stream)
 
-    await server.collect(choices, request, track)
+    await server.collect(choices, client, track)
     kept = best_of(choices, body.n) if copies > body.n else choices
     resp = CompletionResponse(id=track.request_id, created=created, model=model, usage=track.usage,
                               choices=[rendering.choice(k, c) for k, c in enumerate(kept)])

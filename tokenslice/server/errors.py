@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenslice.engine.protocol import EngineDeadError
 from tokenslice.server.metrics import ServerMetrics
 from tokenslice.server.protocol import ErrorInfo, ErrorResponse
-from tokenslice.server.track import Track
+from tokenslice.server.track import Track, log_text
 
 log = logging.getLogger("tokenslice.server")
 
@@ -96,7 +96,8 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> Callable[[Reques
             track.outcome = message
             track.log()
         else:
-            log.info("%s %s status=%d (%s)", request.method, request.url.path, status, message)
+            log.info("%s %s status=%d (%s)", log_text(request.method), log_text(request.url.path), status,
+                     log_text(message))
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -122,7 +123,7 @@ def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> Callable[[Reques
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         track: Track | None = getattr(request.state, "track", None)
         rid = track.request_id if track else f"req-{uuid.uuid4().hex}"
-        log.error("%s %s: unexpected error", rid, request.url.path, exc_info=exc)
+        log.error("%s %s: unexpected error", rid, log_text(request.url.path), exc_info=exc)
         metrics.reject(500)
         return error_response(500, f"internal server error (request id {rid})", "server_error")
 

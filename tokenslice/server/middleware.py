@@ -4,26 +4,39 @@ unexpected errors.
 Pure ASGI: BaseHTTPMiddleware would break the handlers' disconnect detection."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette._utils import get_route_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenslice.server.errors import error_response
 from tokenslice.server.identity import Keyring
 
 DRAIN_LIMIT_BYTES = 64 * 1024 * 1024  # of an oversized body, read and dropped before the 413
-# Besides /v1/*, the routes that need the API key: they spend tokenizer time on the caller's text
-# (or show the tokenizer's settings).
-KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")
+# With keys set, these routes stay open (probes, scrapers, the data-free page and the API's
+# description); every other path, unknown ones included, needs a key: the check fails closed.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/dashboard", "/openapi.json", "/docs",
+                          "/docs/oauth2-redirect", "/redoc"})
+PUBLIC_PREFIXES = ("/dashboard/static/",)  # the page's assets (a StaticFiles mount)
+
+
+def route_path(scope: Scope) -> str:
+    """The path the router matches: the ASGI path without the root path (`--root-path`).
+    uvicorn puts the root path in front of the path it received; routing removes it again, so
+    the key check must look at the same path the router will route."""
+    return get_route_path(scope)
 
 
 class APIKeyMiddleware:
-    """401 on /v1/* and KEYED_PATHS (and /metrics with `metrics_require_key`) without
-    `Authorization: Bearer <key>` of a known key; other paths stay open. The scheme is
-    case-insensitive (RFC 7235 §2.1). The key's tenant goes on the request's state (`tenant`,
-    server/identity.py); /metrics then needs an admin key (403 for others)."""
+    """With keys set, 401 without `Authorization: Bearer <key>` of a known key on every path but
+    PUBLIC_PATHS (and /metrics, unless `metrics_require_key`), decided on the routed path; 400 for
+    more than one Authorization header (a proxy that reads the first and this server would
+    disagree on who is asking). The scheme is case-insensitive (RFC 7235 §2.1). The key's
+    tenant goes on the request's state (`tenant`, server/identity.py); /metrics then needs an
+    admin key (403 for others)."""
 
     def __init__(self, app: ASGIApp, keyring: Keyring, on_reject: Callable[[int], None],
                  metrics_require_key: bool = False) -> None:
@@ -32,17 +45,28 @@ class APIKeyMiddleware:
         self.on_reject = on_reject
         self.metrics_require_key = metrics_require_key
 
-    def _keyed(self, path: str) -> bool:
-        return (path == "/v1" or path.startswith("/v1/") or path in KEYED_PATHS
-                or (self.metrics_require_key and path == "/metrics"))
+    def is_public(self, path: str) -> bool:
+        if path == "/metrics":
+            return not self.metrics_require_key
+        return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        if not self.keyring.required or scope["type"] != "http" or not self._keyed(path):
+        if not self.keyring.required or scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
-        tenant = self.keyring.identify(given.strip()) if scheme.lower() == b"bearer" else None
+        path = route_path(scope)
+        given = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(given) > 1:
+            self.on_reject(400)
+            resp = error_response(400, "more than one Authorization header; send exactly one",
+                                  param="Authorization", code="duplicate_authorization")
+            await resp(scope, receive, send)
+            return
+        if self.is_public(path):
+            await self.app(scope, receive, send)
+            return
+        scheme, _, key = (given[0] if given else b"").partition(b" ")
+        tenant = self.keyring.identify(key.strip()) if scheme.lower() == b"bearer" else None
         if tenant is None:
             self.on_reject(401)
             resp = error_response(401, "missing or incorrect API key; send 'Authorization: Bearer <key>'",
@@ -54,18 +78,24 @@ class APIKeyMiddleware:
             scope.setdefault("state", {})["tenant"] = tenant
             await self.app(scope, receive, send)
             return
+        if scope["type"] == "websocket":  # no HTTP answer on a websocket: refuse the handshake
+            await send({"type": "websocket.close", "code": 1008})
+            return
         await resp(scope, receive, send)
 
 
 class BodyLimitMiddleware:
-    """413 for request bodies over the limit. The body is read here (it would be buffered by
+    """413 for request bodies over the limit, 408 (and the connection closed) for a body not all
+    sent within `read_timeout_s` of its headers. The body is read here (it would be buffered by
     the JSON parser anyway) and replayed to the app; the original `receive` then stays
     available so handlers can notice a disconnect."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int], None]) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int], None],
+                 read_timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.on_reject = on_reject
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -78,17 +108,27 @@ class BodyLimitMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
-        while True:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # the client left before sending its body: nobody to answer
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._too_large(scope, receive, send, more_body=msg.get("more_body", False))
-                return
-            if not msg.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.read_timeout_s):
+                while True:
+                    msg = await receive()
+                    if msg["type"] != "http.request":
+                        return  # the client left before sending its body: nobody to answer
+                    chunks.append(msg.get("body", b""))
+                    size += len(chunks[-1])
+                    if size > self.max_bytes:
+                        break
+                    if not msg.get("more_body", False):
+                        break
+        except TimeoutError:
+            self.on_reject(408)
+            resp = error_response(408, f"the request body was not received within {self.read_timeout_s:g} s",
+                                  code="request_timeout", headers={"Connection": "close"})
+            await resp(scope, receive, send)
+            return
+        if size > self.max_bytes:
+            await self._too_large(scope, receive, send, more_body=msg.get("more_body", False))
+            return
         pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay() -> Message:

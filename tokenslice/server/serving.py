@@ -81,11 +81,43 @@ class Server:
         under a policy that reads priorities; others refuse any but 0, so it is left as asked."""
         return tenant.clamp(priority) if self.info.uses_priority else priority
 
+    def check_admission(self, tenant: Tenant, num_prompts: int, copies: int) -> None:
+        """Refuse, before any prompt is tokenized or admitted, a request whose engine requests
+        (prompts x copies) could not all be taken: past --max-prompts-per-request or --max-waiting
+        (400: it never fits), past the room left under --max-waiting or the tenant's in-flight
+        limit (429: it may fit later)."""
+        settings = self.settings
+        if num_prompts > settings.max_prompts_per_request:
+            raise APIError(400, f"{num_prompts} prompts in one request; this server takes at most "
+                                f"{settings.max_prompts_per_request} (--max-prompts-per-request)", param="prompt")
+        n = num_prompts * copies
+        if n > settings.max_waiting:
+            raise APIError(400, f"this request makes {n} engine requests ({num_prompts} prompt(s) x {copies} "
+                                f"choice(s)); at most {settings.max_waiting} may wait at once (--max-waiting)",
+                           param="prompt" if num_prompts > 1 else "n")
+        waiting = self.async_engine.num_queued
+        if waiting + n > settings.max_waiting:
+            raise APIError(429, f"server overloaded: {waiting} requests are waiting and this one adds {n}; at most "
+                                f"{settings.max_waiting} may wait; retry later", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(settings.retry_after_s)})
+        try:
+            self.tenants.check(tenant, n, 0)
+        except TenantLimitError as e:
+            raise self._tenant_limited(tenant, e) from None
+
+    def _tenant_limited(self, tenant: Tenant, e: TenantLimitError) -> APIError:
+        self.metrics.tenant_limited(tenant.name, e.limit)
+        return APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None)
+
     async def submit_choices(self, track: Track, prompts: list[list[int]], params: SamplingParams, copies: int,
-                             body: SamplingFields, texts: list[str | None] | None = None) -> list[Choice]:
+                             body: SamplingFields, texts: list[str | None] | None = None,
+                             client: ClientWatch | None = None) -> list[Choice]:
         """`copies` engine requests per prompt, each its own scheduled request: the request id for
         a single one, `{id}-{k}` (k = prompt index x copies + i) for several. All or none, and
-        within the tenant's limits (429 past them). `texts`: each prompt in the client's words."""
+        within the tenant's limits (429 past them). `texts`: each prompt in the client's words.
+        If the `client` leaves meanwhile, what was submitted is aborted and the rest never is."""
+        self.check_admission(track.tenant, len(prompts), copies)
         track.prompt_tokens = sum(len(p) for p in prompts)  # streamed usage may be sent before any output
         single = len(prompts) * copies == 1
         choices: list[Choice] = []
@@ -95,6 +127,8 @@ class Server:
             with self.tenants.admit(track.tenant, len(prompts) * copies, tokens) as accepted:
                 for pi, ids in enumerate(prompts):
                     for i in range(copies):
+                        if client is not None:
+                            client.check(track)
                         rid = track.request_id if single else f"{track.request_id}-{pi * copies + i}"
                         sp = dataclasses.replace(params, seed=sibling_seed(params.seed, i))
                         # Siblings start from the first one's prompt KV (prefix cache) instead of recomputing it.
@@ -103,15 +137,13 @@ class Server:
                         choices.append(Choice(pi, ids, await self.submit(track, rid, ids, sp, body, leader, text)))
                         accepted(choices[-1].stream)
         except TenantLimitError as e:
-            self.metrics.tenant_limited(track.tenant.name, e.limit)
-            raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None) from None
+            raise self._tenant_limited(track.tenant, e) from None
         except BaseException:
             abort_unfinished(self.async_engine, choices)
             raise
         return choices
 
-    async def collect(self, choices: list[Choice], request: Request, track: Track) -> None:
+    async def collect(self, choices: list[Choice], client: ClientWatch, track: Track) -> None:
         """Run non-streamed choices to their end; abort them all if the client disconnects first."""
         async def consume() -> None:
             async for k, out in merged(choices):
@@ -119,7 +151,7 @@ class Server:
                 track.account(choices)
 
         consumer = asyncio.ensure_future(consume())
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        watcher = asyncio.ensure_future(client.gone.wait())
         try:
             done, _ = await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this handler is cancelled (server shutdown)
@@ -128,18 +160,42 @@ class Server:
                 consumer.cancel()
                 abort_unfinished(self.async_engine, choices)
         if consumer not in done:
-            track.outcome = "client disconnected; aborted"
-            track.log()
-            raise ClientGone()
+            client.check(track)
         try:
             consumer.result()
         except (EngineFaultError, EngineDeadError) as e:
             raise engine_fault(track.request_id, e) from None
 
 
-async def _wait_disconnect(request: Request) -> None:
-    # The body was read already, so the next message the server delivers is the disconnect.
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
+class ClientWatch:
+    """Notices the client's disconnect from the moment its body is read, for the whole handler
+    (`async with`): while its prompts are tokenized and submitted, and while a non-streamed
+    answer is computed. (A streamed answer's own response notices it after the handler.)"""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.gone = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> ClientWatch:
+        self._task = asyncio.ensure_future(self._watch())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _watch(self) -> None:
+        # The body was read already, so the next message the server delivers is the disconnect.
+        while True:
+            msg = await self.request.receive()
+            if msg["type"] == "http.disconnect":
+                self.gone.set()
+                return
+
+    def check(self, track: Track) -> None:
+        """Raise ClientGone (logging the request as aborted) if the client has left."""
+        if self.gone.is_set():
+            track.outcome = "client disconnected; aborted"
+            track.log()
+            raise ClientGone()

@@ -31,6 +31,14 @@ class ServerSettings:
     metrics_require_key: bool = False  # /metrics needs an admin key (or the single --api-key)
     max_waiting: int = 1024  # requests admitted but without a first token; more get 429
     max_body_bytes: int = 4 * 1024 * 1024
+    # Prompts one completions request may carry (a list of prompts); more get 400 before any is
+    # tokenized. As vLLM's default batch bound (max_num_seqs 256): one request fills a batch, no more.
+    max_prompts_per_request: int = 256
+    # Seconds a client may take to send a request's headers (from connecting, or from the
+    # previous answer) and, separately, its body; slower connections are closed (408 for a body).
+    request_read_timeout_s: float = 30.0
+    # Open connections per client address; more are answered 503 and closed (0: no bound).
+    max_connections_per_client: int = 1024
     retry_after_s: int = 1
     # Run the engine in a process of its own (engine/core.py), so HTTP work never holds its
     # interpreter lock; off: on a thread of the server process (AsyncEngine).

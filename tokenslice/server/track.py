@@ -3,6 +3,7 @@ arrive. The line has the id, tokens, finish reason and latency; prompt and outpu
 never logged."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -15,6 +16,18 @@ from tokenslice.server.identity import OPERATOR, Tenant, tenant_of
 from tokenslice.server.protocol import UsageInfo
 
 log = logging.getLogger("tokenslice.server")
+LOG_TEXT_CHARS = 160  # of a client's value (a path, an id) in a log line
+
+
+def log_text(text: str, limit: int = LOG_TEXT_CHARS) -> str:
+    """A client's value as a log line may carry it: control characters escaped (no forged lines),
+    at most `limit` characters; a longer value is cut and named by its length and a hash, so
+    that two long values can still be told apart."""
+    safe = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text[:limit + 1])
+    if len(text) <= limit and len(safe) <= limit:
+        return safe
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return f"{safe[:limit]}...[{len(text)} chars, sha256 {digest}]"
 
 
 @dataclass
@@ -44,7 +57,7 @@ class Track:
         log.info("%s %s status=%d prompt_tokens=%d completion_tokens=%d finish=%s latency=%.3fs%s",
                  self.request_id, self.route, self.status, self.prompt_tokens, self.completion_tokens,
                  self.finish_reason, time.monotonic() - self.start,
-                 "" if self.outcome == "ok" else f" ({self.outcome})")
+                 "" if self.outcome == "ok" else f" ({log_text(self.outcome)})")
 
     @property
     def usage(self) -> UsageInfo:
