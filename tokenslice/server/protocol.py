@@ -80,8 +80,24 @@ def _is_no_op(value: object, no_ops: tuple[object, ...]) -> bool:
     return any(type(value) is type(v) and value == v for v in no_ops)
 
 
+def _nullable_optionals(schema: dict[str, Any], cls: type[BaseModel]) -> None:
+    """The schema of a _Strict model: each optional field also takes null, which means its default
+    (_Strict._null_means_default), so the schema allows exactly the nulls validation accepts."""
+    props = schema.get("properties", {})
+    for name, field in cls.model_fields.items():
+        prop = props.get(name)
+        if prop is None or field.is_required() or _takes_null(prop):
+            continue
+        meta = {k: prop.pop(k) for k in ("title", "description", "default") if k in prop}
+        props[name] = {"anyOf": [dict(prop), {"type": "null"}], **meta}
+
+
+def _takes_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(_takes_null(p) for p in prop.get("anyOf", ()))
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=_nullable_optionals)
 
     @model_validator(mode="before")
     @classmethod

@@ -11,6 +11,8 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from tokenslice.engine.protocol import EngineDeadError, EngineFaultError
 from tokenslice.request import InvalidRequestError
@@ -89,9 +91,12 @@ def add_utility_routes(app: FastAPI, server: Server) -> None:
         return JSONResponse({"status": "engine not running"}, status_code=503)
 
     # vLLM's liveness probe (SageMaker calls it with POST): the same answer as /health.
-    for method in ("GET", "POST"):  # one route per method: each needs its own OpenAPI operation id
+    ping_methods = ("GET", "POST")
+    for method in ping_methods:  # one route per method: each needs its own OpenAPI operation id
         app.add_api_route("/ping", health, methods=[method], name="ping",
                           responses={503: {"description": "The engine loop is not running"}})
+    # Any other method: the routes above would each answer 405 naming only their own method.
+    app.add_route("/ping", MethodNotAllowed(ping_methods), include_in_schema=False)
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
@@ -100,6 +105,17 @@ def add_utility_routes(app: FastAPI, server: Server) -> None:
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+class MethodNotAllowed:
+    """An ASGI endpoint that answers every request 405 allowing `methods` (an ASGI app, not a
+    function, so that its route matches every method)."""
+
+    def __init__(self, methods: tuple[str, ...]) -> None:
+        self.allow = ", ".join(methods)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise StarletteHTTPException(405, headers={"Allow": self.allow})
 
 
 async def set_request_priority(server: Server, request_id: str, body: PriorityUpdate,
