@@ -25,6 +25,7 @@ from tokenslice.server.protocol import (DetokenizeRequest, DetokenizeResponse, E
 from tokenslice.server.serving import Server
 from tokenslice.server.state import encode as encode_state
 from tokenslice.server.state import visible_state
+from tokenslice.server.track import log_text
 
 log = logging.getLogger("tokenslice.server")
 
@@ -135,7 +136,7 @@ async def set_request_priority(server: Server, request_id: str, body: PriorityUp
     if not live:
         raise APIError(404, f"no live request {request_id!r}: it finished, was aborted, never existed or is "
                             "another API key's", code="request_not_found")
-    log.info("%s priority=%d", request_id, priority)
+    log.info("%s priority=%d", log_text(request_id), priority)
     return PriorityResponse(id=request_id, priority=priority)
 
 
