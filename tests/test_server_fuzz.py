@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,16 +50,13 @@ def openai_error_object(ctx: schemathesis.CheckContext, response: schemathesis.R
     return None
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_fuzz_openapi(srv: RunningServer, path: str) -> None:
-    schema = schemathesis.openapi.from_url(srv.url("/openapi.json"))
-    op = schema[path]["POST"]
-    cases = st.one_of(op.as_strategy(schemathesis.GenerationMode.POSITIVE),
-                      op.as_strategy(schemathesis.GenerationMode.NEGATIVE))
+def run_cases(srv: RunningServer, cases: st.SearchStrategy[schemathesis.Case], examples: int,
+              also: Callable[[schemathesis.Case, schemathesis.Response], None] | None = None) -> list[int]:
+    """Send `examples` derandomized cases to the server, each answer checked against the schema
+    (no 5xx, documented status and content, OpenAI's error object) and by `also`; their statuses."""
     statuses: list[int] = []
 
-    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None, derandomize=True,
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=cases)
     def run(case: schemathesis.Case) -> None:
@@ -68,8 +65,21 @@ def test_fuzz_openapi(srv: RunningServer, path: str) -> None:
         case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
                                                  content_type_conformance, response_schema_conformance,
                                                  openai_error_object])
+        if also is not None:
+            also(case, response)
 
     run()
+    return statuses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_fuzz_openapi(srv: RunningServer, path: str) -> None:
+    schema = schemathesis.openapi.from_url(srv.url("/openapi.json"))
+    op = schema[path]["POST"]
+    cases = st.one_of(op.as_strategy(schemathesis.GenerationMode.POSITIVE),
+                      op.as_strategy(schemathesis.GenerationMode.NEGATIVE))
+    statuses = run_cases(srv, cases, EXAMPLES_PER_OPERATION)
     assert len(statuses) >= EXAMPLES_PER_OPERATION
     assert any(s == 200 for s in statuses) and any(400 <= s < 500 for s in statuses), sorted(set(statuses))
     assert httpx.get(srv.url("/health")).status_code == 200
@@ -169,23 +179,13 @@ def test_schema_valid_requests_are_not_refused(srv: RunningServer, method: str, 
     """Schemathesis in positive mode: every request the schema allows is answered 2xx, or with one
     of ALLOWED_4XX (what depends on state or cannot be said in JSON Schema)."""
     op = schemathesis.openapi.from_url(srv.url("/openapi.json"))[path][method]
-    statuses: list[int] = []
-
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(case=op.as_strategy(schemathesis.GenerationMode.POSITIVE))
-    def run(case: schemathesis.Case) -> None:
-        response = case.call(base_url=srv.base_url, timeout=60)
-        statuses.append(response.status_code)
-        case.validate_response(response, checks=[not_a_server_error, status_code_conformance,
-                                                 content_type_conformance, response_schema_conformance,
-                                                 openai_error_object])
+    def only_allowed_4xx(case: schemathesis.Case, response: schemathesis.Response) -> None:
         if 400 <= response.status_code < 500:
             error = response.json()["error"]
             assert any(a.allows(path, response.status_code, error) for a in ALLOWED_4XX), (
                 f"schema-valid request refused: {response.status_code} {error}\n{case.as_curl_command()[:1000]}")
 
-    run()
+    statuses = run_cases(srv, op.as_strategy(schemathesis.GenerationMode.POSITIVE), examples, only_allowed_4xx)
     assert statuses
     if path != PRIORITY:  # no request is live, so every priority change is a 404
         assert 200 in statuses, sorted(set(statuses))

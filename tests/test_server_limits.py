@@ -42,16 +42,22 @@ def connect(srv: RunningServer) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=DEADLINE_S)
 
 
+def count_submissions(srv: RunningServer) -> list[str]:
+    """The ids of the engine requests the server submits from now on (its engine client's add_request, counted)."""
+    submitted: list[str] = []
+    inner = srv.server.async_engine.add_request
+
+    async def counting(request: EngineRequest) -> object:
+        submitted.append(request.request_id)
+        return await inner(request)
+
+    srv.server.async_engine.add_request = counting
+    return submitted
+
+
 def test_too_many_prompts_are_refused_before_admission() -> None:
     with start_server("--kv-cache-blocks", "32", "--max-waiting", "64") as srv:
-        submitted: list[str] = []
-        inner = srv.server.async_engine.add_request
-
-        async def counting(request: EngineRequest) -> object:
-            submitted.append(request.request_id)
-            return await inner(request)
-
-        srv.server.async_engine.add_request = counting
+        submitted = count_submissions(srv)
         r = httpx.post(srv.url("/v1/completions"), timeout=DEADLINE_S,
                        json={"model": MODEL, "prompt": ["Once"] * 3000, "max_tokens": 8})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
@@ -73,14 +79,7 @@ def test_tenant_limits_count_every_prompt_before_admission(tmp_path: Path) -> No
     keys = tmp_path / "keys.toml"
     keys.write_text('[tenants.small]\nkeys = ["k-small"]\nmax_in_flight = 4\n')
     with start_server("--kv-cache-blocks", "32", "--api-keys", str(keys)) as srv:
-        submitted: list[str] = []
-        inner = srv.server.async_engine.add_request
-
-        async def counting(request: EngineRequest) -> object:
-            submitted.append(request.request_id)
-            return await inner(request)
-
-        srv.server.async_engine.add_request = counting
+        submitted = count_submissions(srv)
         r = httpx.post(srv.url("/v1/completions"), headers={"Authorization": "Bearer k-small"}, timeout=DEADLINE_S,
                        json={"model": MODEL, "prompt": ["Once"] * 5, "max_tokens": 2})
         assert r.status_code == 429 and "too many requests in flight" in r.json()["error"]["message"], r.text
