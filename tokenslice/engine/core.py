@@ -31,6 +31,7 @@ from tokenslice.engine.core_messages import (Abort, AddReply, AddRequest, CoreIn
                                              PriorityReply, Ready, Refusal, SetPriority, Shutdown, StartupFailed,
                                              StateQuery, StateReply)
 from tokenslice.engine.engine import Engine
+from tokenslice.engine.socket_dir import remove_socket_dir_of
 from tokenslice.exec.base import WorkerError
 from tokenslice.exec.parent_watch import exit_with_parent
 from tokenslice.request import InvalidRequestError, RequestOutput
@@ -54,7 +55,8 @@ def run_engine_core(config: bytes, input_address: str, output_address: str, log_
     # server decides when the core stops (a core whose API server is gone exits by itself).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    exit_with_parent("tokenslice engine core")  # a core whose API server is gone has no one to serve
+    # A core whose API server is gone has no one to serve; the sockets' folder goes with it.
+    exit_with_parent("tokenslice engine core", cleanup=lambda: remove_socket_dir_of(input_address))
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log.info("engine core process %d starting", os.getpid())
     # Stay off the API server's CPUs: on CPU, compute threads that share cores with a busy

@@ -22,7 +22,6 @@ import itertools
 import logging
 import multiprocessing
 import shutil
-import tempfile
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +40,7 @@ from tokenslice.engine.core_messages import (Abort, AddRequest, CoreMessage, Cor
                                              SetPriority, Shutdown, StartupFailed, StateQuery)
 from tokenslice.engine.output import OutputProcessor
 from tokenslice.engine.protocol import tokenize_prompt
+from tokenslice.engine.socket_dir import make_socket_dir, remove_stale_socket_dirs
 from tokenslice.exec.parent_watch import kill_process_tree
 from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput
 
@@ -85,7 +85,8 @@ class EngineCoreClient(StreamAdmission):
         config.validate()
         self.observer = observer  # called in the event loop for every output of the core (metrics)
         self.on_dead: Callable[[], None] | None = None
-        self._dir = tempfile.mkdtemp(prefix="tokenslice-core-")  # private: the ipc sockets live here
+        remove_stale_socket_dirs()  # those of servers killed with their cores
+        self._dir = make_socket_dir()  # private: the ipc sockets live here
         self._ctx = zmq.Context()
         self._to_core = self._ctx.socket(zmq.PUSH)
         self._to_core.setsockopt(zmq.SNDHWM, 0)  # an abort must never wait

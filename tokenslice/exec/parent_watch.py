@@ -18,14 +18,16 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 PARENT_GONE_EXIT_CODE = 1
 
 
-def exit_with_parent(name: str) -> threading.Thread | None:
+def exit_with_parent(name: str, cleanup: Callable[[], None] | None = None) -> threading.Thread | None:
     """Start the watch in this process (spawned by multiprocessing); None when it has no parent
-    sentinel (not started by multiprocessing). The process exits without cleanup: what it held is
-    its parent's to free, and its parent is gone."""
+    sentinel (not started by multiprocessing). The process exits without other cleanup than
+    `cleanup` (files its parent would have removed): what it held is its parent's to free, and
+    its parent is gone."""
     parent = multiprocessing.parent_process()
     sentinel = None if parent is None else parent.sentinel
     if parent is None or sentinel is None:
@@ -37,6 +39,11 @@ def exit_with_parent(name: str) -> threading.Thread | None:
         sys.stderr.flush()
         # Ray's processes leave only seconds after their raylet; rank workers would go by themselves.
         kill_process_tree(os.getpid(), include_root=False)
+        if cleanup is not None:
+            try:
+                cleanup()
+            except Exception as e:  # noqa: BLE001 - exiting regardless
+                sys.stderr.write(f"{name}: cleanup after its parent failed: {e}\n")
         os._exit(PARENT_GONE_EXIT_CODE)
 
     thread = threading.Thread(target=watch, name="tokenslice-parent-watch", daemon=True)
