@@ -178,8 +178,8 @@ def test_vtc_fairness_bound_for_two_backlogged_users(batch, w_in, w_out, shares,
     """VTC Theorem 4.4's setting: two users backlogged throughout (each keeps at least a batch of
     live requests), ample memory, a step budget covering every chunk. Every batch is then the
     selection loop's, so at every step the users' normalized services differ by at most one
-    request's service in one step (< its whole cost); over any interval, by at most twice the
-    largest request's cost."""
+    step's service of one user (a batch of requests' tokens, < their whole cost); over any
+    interval, by at most twice the largest request's cost."""
     eng = engine("vtc", batch=batch, vtc_input_weight=w_in, vtc_output_weight=w_out,
                  vtc_weights=f"A={shares[0]},B={shares[1]}", max_tokens_per_step=4096)
     reqs = {u: [add(eng, f"{u}{i}", prompt=p, out=o, user=u) for i, (p, o) in enumerate(js)]
@@ -187,7 +187,9 @@ def test_vtc_fairness_bound_for_two_backlogged_users(batch, w_in, w_out, shares,
     share = dict(zip("AB", shares, strict=True))
     largest = max((w_in * r.num_prompt_tokens + w_out * r.params.max_tokens) / share[u]
                   for u, rs in reqs.items() for r in rs)
-    step_max = max((w_in * r.num_prompt_tokens + w_out) / share[u] for u, rs in reqs.items() for r in rs)
+    # One step's service of one user: a batch's worth of requests, since a user whose counter
+    # admission leaves lowest (w_in 0) may take every slot of a step.
+    step_max = batch * max((w_in * r.num_prompt_tokens + w_out) / share[u] for u, rs in reqs.items() for r in rs)
 
     def backlogged() -> bool:
         return all(sum(not r.is_finished for r in rs) >= batch for rs in reqs.values())
