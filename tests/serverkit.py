@@ -193,7 +193,7 @@ class PrefixProxy:
                 pass
 
             def forward(self) -> None:
-                if not (self.path == prefix or self.path.startswith(prefix + "/") or self.path.startswith(prefix + "?")):
+                if self.path != prefix and not self.path.startswith((prefix + "/", prefix + "?")):
                     self.send_error(404)
                     return
                 length = int(self.headers.get("Content-Length") or 0)

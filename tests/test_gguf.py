@@ -4,6 +4,8 @@ HTTP; small GGUF files written from tiny checkpoints (the llama and qwen2 paths,
 llama.cpp's q/k row order); and the errors."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from pathlib import Path
 
@@ -109,6 +111,7 @@ def test_chat_template_and_stop_at_im_end(smol: LLM) -> None:
 # by less than QUANT_LOGPROB_BOUND; greedy outputs equal on at least QUANT_GREEDY_EQUAL prompts.
 QUANT_LOGPROB_BOUND = 0.5
 QUANT_GREEDY_EQUAL = 3
+BF16_TIE = 1 / 16  # logits near 16 are a bfloat16 ulp (1/8) apart: half of one is a tie
 
 
 def test_quantized_path_stays_close_to_the_dequantized_one(smol: LLM) -> None:
@@ -124,10 +127,19 @@ def test_quantized_path_stays_close_to_the_dequantized_one(smol: LLM) -> None:
         sequences = [p + r.token_ids for p, r in zip(prompts, ref)]
         ref_lp = [o.prompt_logprobs.logprobs[-NEW_TOKENS:] for o in smol.generate(sequences, score)]
         got_lp = [o.prompt_logprobs.logprobs[-NEW_TOKENS:] for o in quantized.generate(sequences, score)]
+        # The quantized path's logits are bfloat16 (model/quant.py): where two candidates tie at
+        # that resolution, which one greedy takes depends on how this CPU's kernels round. So it
+        # answers PARIS, or leaves the float path's answer only at such a tie.
+        top2 = quantized.generate(prompts[:1], dataclasses.replace(greedy, logprobs=2))[0]
     worst = max(abs(a - b) for r, g in zip(ref_lp, got_lp) for a, b in zip(r, g))
     assert worst < QUANT_LOGPROB_BOUND, worst
     assert sum(r.token_ids == g.token_ids for r, g in zip(ref, got)) >= QUANT_GREEDY_EQUAL
-    assert got[0].text.startswith(PARIS)
+    assert ref[0].text.startswith(PARIS)
+    if not got[0].text.startswith(PARIS):
+        i = next(i for i, (a, b) in enumerate(zip(ref[0].token_ids, top2.token_ids)) if a != b)
+        ids, lps = top2.logprobs.top_token_ids[i], top2.logprobs.top_logprobs[i]
+        want = ref[0].token_ids[i]
+        assert want in ids and max(lps) - lps[ids.index(want)] <= BF16_TIE, (i, ids, lps)
 
 
 def test_known_name_resolves_case_insensitively() -> None:
@@ -142,7 +154,9 @@ def test_known_name_resolves_case_insensitively() -> None:
 
 
 def test_chat_over_http_names_the_model_and_stops() -> None:
-    with start_server("--model", SMOLLM2, "--kv-cache-blocks", "64", "--max-model-len", "512") as srv:
+    # The float path: the quantized one's answer may differ by CPU at a bfloat16 tie (above).
+    with start_server("--model", SMOLLM2, "--kv-cache-blocks", "64", "--max-model-len", "512",
+                      "--quantization", "none") as srv:
         models = httpx.get(srv.url("/v1/models"), timeout=HTTP_TIMEOUT_S).json()
         assert [m["id"] for m in models["data"]] == [SMOLLM2]
         r = httpx.post(srv.url("/v1/chat/completions"), timeout=HTTP_TIMEOUT_S,
