@@ -137,16 +137,22 @@ def test_reader_stall_and_qoe() -> None:
 
 
 def test_outputs_are_identical_with_the_guard_on_and_off() -> None:
-    """A real model (stories260k) under heavy preemption: the guard changes when, not what."""
+    """A real model (stories260k) under heavy preemption: the guard changes when, not what.
+    vtc over six users, batch 2: the two least-served users run each step, so started streams
+    are paused at every step whatever the steps' speed (a time quantum would depend on it)."""
     from tokenslice.llm import LLM
+    from tokenslice.request import EngineRequest
 
-    prompts = [f"Once upon a time {i}" for i in range(6)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outs, preempted = [], []
     for guard in ({"stall_guard": "off"}, {"stall_guard": "on", "max_stall_ms": 1.0, "delivery_rate": 1000.0}):
-        llm = LLM(str(STORIES), policy="skip-join-mlfq", max_batch_size=2, compile=False, **guard)
-        outs.append([o.token_ids for o in llm.generate(prompts, params)])
-        preempted.append(llm.engine.scheduler.stats.started_preemptions)
+        engine = LLM(str(STORIES), policy="vtc", max_batch_size=2, compile=False, **guard).engine
+        reqs = [engine.add(EngineRequest(f"r{i}", engine.tokenize(f"Once upon a time {i}"), params, user=f"u{i}"))
+                for i in range(6)]
+        while engine.has_unfinished():
+            engine.step()
+        outs.append([list(r.output_token_ids) for r in reqs])
+        preempted.append(engine.scheduler.stats.started_preemptions)
     assert outs[0] == outs[1]
     # Both runs pause started streams: at batch 2 the guard protects one (half the batch), the
     # one due first, so it changes which stream waits and when, and the tokens stay the same.
