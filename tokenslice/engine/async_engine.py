@@ -19,14 +19,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from tokenslice.engine.core_loop import CoreLoop, StepOutcome
 from tokenslice.engine.engine import Engine
 from tokenslice.engine.output import OutputProcessor
-from tokenslice.engine.protocol import (MAX_CONSECUTIVE_FAULTS, EngineDeadError, EngineFaultError, OutputObserver,
-                                        RequestStream, StreamAdmission, engine_info, read_stats)
-from tokenslice.exec.base import WorkerError
+from tokenslice.engine.protocol import (EngineDeadError, EngineFaultError, OutputObserver, RequestStream,
+                                        StreamAdmission, engine_info, read_stats)
 from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -63,18 +63,6 @@ class _Stop:
 _Command = _Add | _Abort | _SetPriority | _State | _Stop
 
 
-@dataclass
-class _LoopState:
-    """Owned by the loop thread."""
-
-    streams: dict[str, RequestStream] = field(default_factory=dict)
-    # An abort's final output (and the executor's cue to forget the request) comes out of the
-    # next step; when nothing else is live, the loop takes one empty step to deliver it.
-    flush: bool = False
-    consecutive_faults: int = 0
-    num_faults: int = 0
-
-
 class AsyncEngine(StreamAdmission):
     def __init__(self, engine: Engine, *, max_waiting: int = 1024,
                  observer: OutputObserver | None = None) -> None:
@@ -88,7 +76,9 @@ class AsyncEngine(StreamAdmission):
         self._outputs = OutputProcessor(engine.tokenizer, lambda rid: self._commands.put(_Abort(rid)))
         self.on_dead: Callable[[], None] | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._state = _LoopState()
+        # The loop thread's: the core loop (engine/core_loop.py) and the streams of its live requests.
+        self._core = CoreLoop(engine)
+        self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._alive = False
         self._lock = threading.Lock()  # orders "loop ended" against enqueuing an add
@@ -209,13 +199,7 @@ class AsyncEngine(StreamAdmission):
     # ---- the loop (its own thread; the only code that touches the engine) --------------------
     def _run(self) -> None:
         try:
-            while True:
-                idle = not self.engine.has_unfinished()
-                if not self._drain(block=idle):
-                    break
-                if self.engine.has_unfinished() or self._state.flush:
-                    self._step()
-                self.stats = read_stats(self.engine, self._state.num_faults)
+            self._core.run(self._drain, self._deliver_step)
         except Exception:
             log.exception("engine loop crashed")
             if self.on_dead is not None:
@@ -224,7 +208,7 @@ class AsyncEngine(StreamAdmission):
             with self._lock:
                 self._alive = False
             dead = EngineDeadError("the engine loop stopped")
-            streams, self._state.streams = self._state.streams, {}
+            streams, self._streams = self._streams, {}
             if streams:
                 self._call_soon(self._deliver, [(s, dead) for s in streams.values()])
             self._fail_pending(dead)
@@ -242,7 +226,9 @@ class AsyncEngine(StreamAdmission):
                 self._call_soon(self._resolve, cmd.result, error)
 
     def _drain(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one if `block`); False when told to stop."""
+        """Publish the stats, then apply queued commands (waiting for one if `block`); False when
+        told to stop."""
+        self.stats = read_stats(self.engine, self._core.num_faults)
         cmds = [self._commands.get()] if block else []
         while True:
             try:
@@ -265,7 +251,7 @@ class AsyncEngine(StreamAdmission):
     def _add(self, cmd: _Add) -> None:
         rid = cmd.stream.request_id
         try:
-            self.engine.add(cmd.request)
+            self._core.add(cmd.request)
         except InvalidRequestError as e:
             self._call_soon(self._settle, cmd.stream, e)
             return
@@ -273,13 +259,13 @@ class AsyncEngine(StreamAdmission):
             log.exception("request %s: engine failed to add it", rid)
             self._call_soon(self._settle, cmd.stream, EngineFaultError(f"engine failed to add request: {e}"))
             return
-        self._state.streams[rid] = cmd.stream
+        self._streams[rid] = cmd.stream
         self._call_soon(self._settle, cmd.stream, None)
 
     def _set_priority(self, cmd: _SetPriority) -> None:
         result: bool | BaseException
         try:
-            result = self.engine.set_priority(cmd.request_id, cmd.priority)
+            result = self._core.set_priority(cmd.request_id, cmd.priority)
         except InvalidRequestError as e:
             result = e
         except Exception as e:  # a fault in the engine, not in the request
@@ -289,42 +275,29 @@ class AsyncEngine(StreamAdmission):
 
     def _snapshot(self) -> dict[str, Any] | BaseException:
         try:
-            return self.engine.state()
+            return self._core.state()
         except Exception as e:  # a view must never take the engine down
             log.exception("engine failed to describe its state")
             return EngineFaultError(f"engine failed to describe its state: {e}")
 
     def _abort(self, request_id: str) -> None:
-        if self._state.streams.pop(request_id, None) is not None:
-            self.engine.abort_request(request_id)
-            self._state.flush = True
+        if self._streams.pop(request_id, None) is not None:
+            self._core.abort([request_id])
             log.debug("request %s aborted", request_id)
 
-    def _step(self) -> None:
-        st = self._state
-        st.flush = False
-        try:
-            outputs = self.engine.step()
-        except WorkerError:
-            raise  # a rank is gone for good: no later step can run; the loop dies
-        except Exception:
-            st.num_faults += 1
-            st.consecutive_faults += 1
-            log.exception("engine step failed; failing requests %s", ", ".join(st.streams) or "(none)")
-            streams, st.streams = st.streams, {}
-            for rid in streams:
-                self.engine.abort_request(rid)  # if even this fails, the loop dies and /health says so
+    def _deliver_step(self, outcome: StepOutcome) -> None:
+        """A step's outcome to the event loop, where outputs are processed while this thread runs
+        the next step."""
+        if outcome.fault:
             fault = EngineFaultError("the engine failed while running this request")
-            self._call_soon(self._deliver, [(s, fault) for s in streams.values()])
-            if st.consecutive_faults >= MAX_CONSECUTIVE_FAULTS:
-                raise RuntimeError(f"{st.consecutive_faults} engine steps failed in a row") from None
+            failed = [self._streams.pop(rid) for rid in outcome.failed if rid in self._streams]
+            self._call_soon(self._deliver, [(s, fault) for s in failed])
             return
-        st.consecutive_faults = 0
         items: list[tuple[RequestStream | None, RequestOutput]] = []
-        for out in outputs:
-            stream = st.streams.get(out.request_id)
+        for out in outcome.outputs:
+            stream = self._streams.get(out.request_id)
             if stream is not None and out.finished:
-                del st.streams[out.request_id]
+                del self._streams[out.request_id]
             items.append((stream, out))
-        if items:  # processed in the event loop while this thread runs the next step
+        if items:
             self._call_soon(self._deliver_outputs, items)

@@ -26,13 +26,13 @@ import zmq
 
 from tokenslice.config import EngineConfig
 from tokenslice.engine.cpus import CpuPlan, pin_process
-from tokenslice.engine.protocol import MAX_CONSECUTIVE_FAULTS, EngineStats, engine_info, read_stats
+from tokenslice.engine.protocol import EngineStats, engine_info, read_stats
 from tokenslice.engine.core_messages import (Abort, AddReply, AddRequest, CoreInput, CoreOutput, Fatal,
                                              PriorityReply, Ready, Refusal, SetPriority, Shutdown, StartupFailed,
                                              StateQuery, StateReply)
+from tokenslice.engine.core_loop import CoreLoop, StepOutcome
 from tokenslice.engine.engine import Engine
 from tokenslice.engine.socket_dir import remove_socket_dir_of
-from tokenslice.exec.base import WorkerError
 from tokenslice.exec.parent_watch import exit_with_parent
 from tokenslice.request import InvalidRequestError, RequestOutput
 
@@ -134,10 +134,12 @@ def _wire_output(out: RequestOutput) -> RequestOutput:
 
 
 class EngineCore:
-    """The loop; the only code in this process that touches the engine."""
+    """The core loop's (engine/core_loop.py) ZMQ shell in this process: commands in from the
+    input socket between steps, replies and step outputs out."""
 
     def __init__(self, engine: Engine, inp: zmq.Socket, out: zmq.Socket) -> None:
         self.engine = engine
+        self.loop = CoreLoop(engine)
         self.inp = inp
         self.out = out
         # Executors with rank workers (exec/multiproc.py, exec/ray_executor.py) raise WorkerError here
@@ -145,27 +147,30 @@ class EngineCore:
         self.check_workers = getattr(engine.executor, "check_alive", lambda: None)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(CoreInput)
-        self.live: set[str] = set()
-        # An abort's final output (and the executor's cue to forget the request) comes out of the
-        # next step; when nothing else is live, the loop takes one empty step to deliver it.
-        self.flush = False
-        self.consecutive_faults = 0
-        self.num_faults = 0
         self.stats_sent_at = 0.0
 
     def run(self) -> None:
-        while True:
-            busy = self.engine.has_unfinished() or self.flush
-            messages = self._receive(block=not busy)
-            reply = CoreOutput()
-            for msg in messages:
-                if isinstance(msg, Shutdown):
-                    return
-                self._apply(msg, reply)
-            if reply.added or reply.priorities or reply.states:
-                self._send(reply)
-            if self.engine.has_unfinished() or self.flush:
-                self._step()
+        self.loop.run(self.receive, self.deliver)
+
+    def receive(self, block: bool) -> bool:
+        reply = CoreOutput()
+        for msg in self._receive(block):
+            if isinstance(msg, Shutdown):
+                return False
+            self._apply(msg, reply)
+        if reply.added or reply.priorities or reply.states:
+            self._send(reply)
+        return True
+
+    def deliver(self, outcome: StepOutcome) -> None:
+        if outcome.fault:
+            self._send(CoreOutput(failed=outcome.failed, stats=self._stats(force=True)))
+            return
+        for out in outcome.outputs:
+            _wire_output(out)
+        stats = self._stats(force=not self.engine.has_unfinished())
+        if outcome.outputs or stats is not None:
+            self._send(CoreOutput(outcome.outputs, stats=stats))
 
     def _receive(self, block: bool) -> list[CoreInput]:
         """Every queued message (waiting for one if `block`); WorkerError if a rank died meanwhile."""
@@ -186,61 +191,30 @@ class EngineCore:
         if isinstance(msg, AddRequest):
             rid = msg.request.request_id
             try:
-                self.engine.add(msg.request)
+                self.loop.add(msg.request)
             except Exception as e:
                 reply.added.append(AddReply(rid, _refusal(e, "add the request", rid)))
                 return
-            self.live.add(rid)
             reply.added.append(AddReply(rid))
         elif isinstance(msg, SetPriority):
             try:
-                live = self.engine.set_priority(msg.request_id, msg.priority)
+                live = self.loop.set_priority(msg.request_id, msg.priority)
             except Exception as e:
                 reply.priorities.append(PriorityReply(msg.call_id, error=_refusal(e, "change the priority", msg.request_id)))
                 return
             reply.priorities.append(PriorityReply(msg.call_id, live))
         elif isinstance(msg, StateQuery):
             try:
-                reply.states.append(StateReply(msg.call_id, {**self.engine.state(), **_compiled_decode(self.engine)}))
+                reply.states.append(StateReply(msg.call_id, {**self.loop.state(), **_compiled_decode(self.engine)}))
             except Exception as e:  # a view must never take the engine down
                 log.exception("engine failed to describe its state")
                 reply.states.append(StateReply(msg.call_id, error=f"{type(e).__name__}: {e}"))
         elif isinstance(msg, Abort):
-            for rid in msg.request_ids:
-                if rid in self.live:
-                    self.live.discard(rid)
-                    self.engine.abort_request(rid)
-                    self.flush = True
-
-    def _step(self) -> None:
-        self.flush = False
-        try:
-            outputs = self.engine.step()
-        except WorkerError:
-            raise  # a rank is gone for good: no later step can run; the core exits (Fatal)
-        except Exception:
-            self.num_faults += 1
-            self.consecutive_faults += 1
-            failed, self.live = sorted(self.live), set()
-            log.exception("engine step failed; failing requests %s", ", ".join(failed) or "(none)")
-            for rid in failed:
-                self.engine.abort_request(rid)  # if even this fails, the core exits and the server sees it
-            self._send(CoreOutput(failed=failed, stats=self._stats(force=True)))
-            if self.consecutive_faults >= MAX_CONSECUTIVE_FAULTS:
-                raise RuntimeError(f"{self.consecutive_faults} engine steps failed in a row") from None
-            return
-        self.consecutive_faults = 0
-        for out in outputs:
-            if out.finished:
-                self.live.discard(out.request_id)
-            _wire_output(out)
-        stats = self._stats(force=not self.engine.has_unfinished())
-        if outputs or stats is not None:
-            self._send(CoreOutput(outputs, stats=stats))
+            self.loop.abort(msg.request_ids)
 
     def _stats(self, force: bool) -> EngineStats | None:
         now = time.monotonic()
         if not force and now - self.stats_sent_at < STATS_INTERVAL_S:
             return None
         self.stats_sent_at = now
-        return read_stats(self.engine, self.num_faults)
+        return read_stats(self.engine, self.loop.num_faults)
