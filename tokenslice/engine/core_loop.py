@@ -7,8 +7,8 @@ written once (as vLLM's EngineCore under EngineCoreProc).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenslice.engine.engine import Engine
