@@ -59,15 +59,13 @@ class CoreLoop:
         self.engine.add(request)
         self.live.add(request.request_id)
 
-    def abort(self, request_ids: list[str]) -> bool:
-        """Abort the live ones; whether any was live."""
-        aborted = False
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort the live ones (the others finished meanwhile)."""
         for rid in request_ids:
             if rid in self.live:
                 self.live.discard(rid)
                 self.engine.abort_request(rid)
-                self.flush = aborted = True
-        return aborted
+                self.flush = True
 
     def set_priority(self, request_id: str, priority: int) -> bool:
         return self.engine.set_priority(request_id, priority)

@@ -9,11 +9,12 @@ as many connections as the process has descriptors. The body's deadline is the A
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from tokenslice.server.protocol import ErrorInfo, ErrorResponse
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,9 @@ class ClientConnections:
 
 def too_many_connections_answer(limit: int) -> bytes:
     """The 503 a connection past the bound gets before it is closed (it has sent nothing yet)."""
-    body = json.dumps({"error": {
-        "message": f"too many open connections from this address (the limit is {limit}); reuse or close some",
-        "type": "server_error", "param": None, "code": "too_many_connections"}}).encode()
+    body = ErrorResponse(error=ErrorInfo(
+        message=f"too many open connections from this address (the limit is {limit}); reuse or close some",
+        type="server_error", code="too_many_connections")).model_dump_json().encode()
     return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 

@@ -23,13 +23,6 @@ PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/dashboard", "/openap
 PUBLIC_PREFIXES = ("/dashboard/static/",)  # the page's assets (a StaticFiles mount)
 
 
-def route_path(scope: Scope) -> str:
-    """The path the router matches: the ASGI path without the root path (`--root-path`).
-    uvicorn puts the root path in front of the path it received; routing removes it again, so
-    the key check must look at the same path the router will route."""
-    return get_route_path(scope)
-
-
 class APIKeyMiddleware:
     """With keys set, 401 without `Authorization: Bearer <key>` of a known key on every path but
     PUBLIC_PATHS (and /metrics, unless `metrics_require_key`), decided on the routed path; 400 for
@@ -54,7 +47,9 @@ class APIKeyMiddleware:
         if not self.keyring.required or scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        path = route_path(scope)
+        # The router's own path: uvicorn puts --root-path in front of the path it received and
+        # routing removes it again, so the check must look at what the router will route.
+        path = get_route_path(scope)
         given = [v for k, v in scope["headers"] if k == b"authorization"]
         if len(given) > 1:
             self.on_reject(400)

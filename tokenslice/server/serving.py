@@ -68,9 +68,7 @@ class Server:
         except InvalidRequestError as e:
             raise APIError(400, str(e), param=e.param) from None
         except EngineOverloadedError:
-            raise APIError(429, f"server overloaded: more than {self.settings.max_waiting} requests are waiting; "
-                                "retry later", type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(self.settings.retry_after_s)}) from None
+            raise self._overloaded(f"more than {self.settings.max_waiting} requests are waiting") from None
         except EngineDeadError:
             raise engine_unavailable(self.settings.retry_after_s) from None
         except EngineFaultError as e:
@@ -97,13 +95,17 @@ class Server:
                            param="prompt" if num_prompts > 1 else "n")
         waiting = self.async_engine.num_queued
         if waiting + n > settings.max_waiting:
-            raise APIError(429, f"server overloaded: {waiting} requests are waiting and this one adds {n}; at most "
-                                f"{settings.max_waiting} may wait; retry later", type="rate_limit_error",
-                           code="rate_limit_exceeded", headers={"Retry-After": str(settings.retry_after_s)})
+            raise self._overloaded(f"{waiting} requests are waiting and this one adds {n}; at most "
+                                   f"{settings.max_waiting} may wait")
         try:
             self.tenants.check(tenant, n, 0)
         except TenantLimitError as e:
             raise self._tenant_limited(tenant, e) from None
+
+    def _overloaded(self, detail: str) -> APIError:
+        """The 429 of a full waiting queue (--max-waiting)."""
+        return APIError(429, f"server overloaded: {detail}; retry later", type="rate_limit_error",
+                        code="rate_limit_exceeded", headers={"Retry-After": str(self.settings.retry_after_s)})
 
     def _tenant_limited(self, tenant: Tenant, e: TenantLimitError) -> APIError:
         self.metrics.tenant_limited(tenant.name, e.limit)
