@@ -285,3 +285,13 @@ def test_server_with_two_ranks_answers_like_one():
     while time.monotonic() < deadline and any(_alive(p) for p in [core, *workers]):
         time.sleep(0.1)
     assert not any(_alive(p) for p in [core, *workers])  # the server's shutdown closed the engine
+
+
+def test_async_scheduling_over_ranks_matches_one_rank():
+    # Each rank fills the pending tokens of a plan made ahead from its own last samples.
+    want, _ = _one_rank(str(STORIES), preemption="recompute")
+    with LLM(str(STORIES), tensor_parallel_size=2, preemption="recompute", async_scheduling=True, **PRESSURE) as llm:
+        assert llm.engine.async_scheduling and llm.engine.max_in_flight == 2
+        assert _run_waves(llm.engine) == want
+        _assert_all_free(llm.engine.scheduler)
+        assert not llm.engine.scheduler._in_pipeline

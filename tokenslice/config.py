@@ -200,6 +200,9 @@ class SchedulerConfig:
     stall_guard: str = field(default="on", metadata={"choices": STALL_GUARD_MODES})
     delivery_rate: float = DEFAULT_DELIVERY_RATE  # tokens/s; also the reader of the stall metrics
     max_stall_ms: float | None = None
+    # Plan step n+1 while step n computes, its tokens filled in by the executor (vLLM's async
+    # scheduling); None: on a GPU with one pipeline stage (EngineConfig.async_scheduling_on).
+    async_scheduling: bool | None = None
 
     def validate(self) -> None:
         if self.mlfq_quantum_ratio <= 1.0:
@@ -324,6 +327,18 @@ class EngineConfig:
         self.cache.validate()
         self.scheduler.validate()
         self.parallel.validate()
+        if self.scheduler.async_scheduling and self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("async_scheduling needs pipeline_parallel_size 1: with stages the batches in "
+                             "flight already overlap, and only the last stage samples the tokens a plan "
+                             "ahead would need")
+
+    def async_scheduling_on(self, device_type: str) -> bool:
+        """Whether the engine plans ahead, for a model on `device_type`: as set, else on a GPU
+        with one pipeline stage. Not on CPU, where the host's work and the model's share the
+        cores: a 2-core machine ran SmolLM2 at half speed with it (benchmarks/decode/host_overhead.py)."""
+        if self.scheduler.async_scheduling is not None:
+            return self.scheduler.async_scheduling
+        return self.parallel.pipeline_parallel_size == 1 and device_type == "cuda"
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

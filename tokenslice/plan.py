@@ -43,13 +43,23 @@ class SeqSlice:
 
 
 
-def request_slice(req: Request, start: int, chunk: int, block_table: list[int], sample: bool) -> SeqSlice:
+# A token sampled by a step still in flight (async scheduling): the executor that ran that step
+# puts the sampled id in its place before computing (ModelRunner.fill_pending).
+PENDING_TOKEN = -1
+
+
+def request_slice(req: Request, start: int, chunk: int, block_table: list[int], sample: bool,
+                  pending: int = 0) -> SeqSlice:
     """`req`'s share of a step: positions start..start+chunk-1, sampling after them if `sample`
-    (never for a prompt-only request, max_tokens 0). Marks the prompt logprobs it will report."""
-    s = SeqSlice(req.request_id, req.token_ids(start, start + chunk), start, block_table,
-                 sample and req.params.max_tokens > 0, req.params, len(req.output_token_ids), req.eos_token_id)
+    (never for a prompt-only request, max_tokens 0). Marks the prompt logprobs it will report.
+    `pending`: its output tokens sampled by a step in flight, the last of which this slice may
+    compute (PENDING_TOKEN)."""
+    ids = req.token_ids(start, start + chunk)
+    ids += [PENDING_TOKEN] * (chunk - len(ids))
+    s = SeqSlice(req.request_id, ids, start, block_table, sample and req.params.max_tokens > 0, req.params,
+                 len(req.output_token_ids) + pending, req.eos_token_id)
     s.prompt_logprob_offset, s.prompt_logprob_targets = req.take_prompt_logprob_targets(start, chunk)
-    if s.sample and req.params.penalized:  # the runner sees only this step's tokens
+    if s.sample and req.params.penalized:  # the runner sees only this step's tokens (and fills a pending one in)
         s.history_token_ids = req.prompt_token_ids + req.output_token_ids
     return s
 

@@ -11,8 +11,12 @@ the mean over --steps decode steps of Engine.step(), in microseconds, split as
   output   the RequestOutputs, detokenization and stop strings (the rest of Engine.step)
 and per row (the step divided by B). The real model's breakdown is benchmarks/decode/step_breakdown.py.
 
+With --overlap on (async scheduling) the engine plans step n+1 before step n's tokens are back,
+so the same host work runs while the device computes: a device step longer than the host's
+work per step sees no gap between steps. The columns then measure the work, not a gap.
+
     PYTHONPATH=. .venv/bin/python benchmarks/decode/host_overhead.py [--batches 1,16,64,256]
-        [--policies fcfs,skip-join-mlfq,srpt-oracle,vtc] [--steps 200]
+        [--policies fcfs,skip-join-mlfq,srpt-oracle,vtc] [--overlap off,on] [--steps 200]
         [--out benchmarks/decode/results/host_overhead.json]
 """
 from __future__ import annotations
@@ -52,19 +56,20 @@ class NullExecutor(ImmediateExecutor):
         pass
 
 
-def engine_for(policy: str, batch: int, steps: int) -> Engine:
+def engine_for(policy: str, batch: int, steps: int, overlap: bool) -> Engine:
     max_len = PROMPT_TOKENS + WARMUP_STEPS + steps + 8
     blocks = batch * (max_len // 16 + 2)
     config = EngineConfig.from_options(model="builtin:tiny", policy=policy, max_batch_size=batch,
-                                       kv_cache_blocks=blocks, max_model_len=max_len, stall_guard="off")
+                                       kv_cache_blocks=blocks, max_model_len=max_len, stall_guard="off",
+                                       async_scheduling=overlap)
     engine = Engine.from_config(config)
     engine.executor.close()
     engine.executor = NullExecutor(token=engine.tokenizer.encode(" the", add_special_tokens=False)[-1])
     return engine
 
 
-def measure(policy: str, batch: int, steps: int) -> dict[str, float]:
-    engine = engine_for(policy, batch, steps)
+def measure(policy: str, batch: int, steps: int, overlap: bool) -> dict[str, float]:
+    engine = engine_for(policy, batch, steps, overlap)
     params = SamplingParams(max_tokens=WARMUP_STEPS + steps + 4, ignore_eos=True, temperature=0.0)
     for i in range(batch):
         engine.add(EngineRequest(f"r{i}", [1 + (i + j) % 200 for j in range(PROMPT_TOKENS)], params))
@@ -72,7 +77,7 @@ def measure(policy: str, batch: int, steps: int) -> dict[str, float]:
         engine.step()
     engine.timings = StepTimings()
     exec_s = 0.0
-    inner = engine.executor.execute
+    inner = engine.executor.run
 
     def timed(plan: StepPlan) -> StepResult:
         nonlocal exec_s
@@ -82,13 +87,14 @@ def measure(policy: str, batch: int, steps: int) -> dict[str, float]:
         finally:
             exec_s += time.perf_counter() - t
 
-    engine.executor.execute = timed  # type: ignore[method-assign]
+    engine.executor.run = timed  # type: ignore[method-assign]
     rows = 0
     t0 = time.perf_counter()
     for _ in range(steps):
         rows += len(engine.step())
     total = time.perf_counter() - t0
     assert rows == steps * batch, (rows, steps * batch)  # every step decoded the whole batch
+    engine.close()
     t = engine.timings
     us = 1e6 / steps
     # StepTimings.execute_s also holds the engine's own work around executor.execute: counted as update.
@@ -102,19 +108,21 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--policies", default="fcfs,skip-join-mlfq,srpt-oracle,vtc")
+    p.add_argument("--overlap", default="off,on", help="async scheduling off, on, or both")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--out", default=str(RESULTS / "host_overhead.json"))
     a = p.parse_args()
     out: dict[str, object] = {"machine": platform.node(), "cpu": platform.processor() or platform.machine(),
                               "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-                              "load": os.getloadavg()[0], "steps": a.steps, "overlap": "off", "rows": []}
-    print(f"{'policy':<16}{'batch':>6}{'step us':>10}{'row us':>9}" + "".join(f"{c:>9}" for c in COLUMNS))
+                              "load": os.getloadavg()[0], "steps": a.steps, "rows": []}
+    print(f"{'policy':<16}{'overlap':>8}{'batch':>6}{'step us':>10}{'row us':>9}" + "".join(f"{c:>9}" for c in COLUMNS))
     for policy in a.policies.split(","):
-        for batch in (int(b) for b in a.batches.split(",")):
-            r = measure(policy, batch, a.steps)
-            out["rows"].append({"policy": policy, "batch": batch, **r})  # type: ignore[union-attr]
-            print(f"{policy:<16}{batch:>6}{r['step_us']:>10.0f}{r['row_us']:>9.1f}"
-                  + "".join(f"{r[c]:>9.0f}" for c in COLUMNS), flush=True)
+        for overlap in a.overlap.split(","):
+            for batch in (int(b) for b in a.batches.split(",")):
+                r = measure(policy, batch, a.steps, overlap == "on")
+                out["rows"].append({"policy": policy, "overlap": overlap, "batch": batch, **r})  # type: ignore[union-attr]
+                print(f"{policy:<16}{overlap:>8}{batch:>6}{r['step_us']:>10.0f}{r['row_us']:>9.1f}"
+                      + "".join(f"{r[c]:>9.0f}" for c in COLUMNS), flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0

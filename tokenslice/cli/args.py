@@ -166,6 +166,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(SchedulerConfig, "swap_in_async_fraction",
          help="adaptive swap-in: async once a copy's expected time exceeds this share of a step")
     flag(SchedulerConfig, "max_batch_size", "--max-num-seqs")
+    flag(SchedulerConfig, "async_scheduling", action=argparse.BooleanOptionalAction,
+         help="plan each step while the previous one computes, so the device never waits for the host "
+              "(default: on with one pipeline stage)")
     flag(SchedulerConfig, "max_tokens_per_step", "--max-num-batched-tokens")
     flag(EngineConfig, "profile",
          help="cost model for policy decisions: a `tokenslice profile` JSON or model@hardware")

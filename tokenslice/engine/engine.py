@@ -48,9 +48,14 @@ class StepTimings:
 class Engine:
     def __init__(self, scheduler: Scheduler, executor: Executor, *, tokenizer: Any | None,
                  clock: Any, max_model_len: int, vocab_size: int,
-                 eos_token_ids: list[int], model_name: str = "", max_in_flight: int = 1) -> None:
+                 eos_token_ids: list[int], model_name: str = "", max_in_flight: int = 1,
+                 async_scheduling: bool = False) -> None:
         """`clock`: has now() and advance(seconds) (clock.RealClock, or the simulator's);
-        `max_in_flight`: plans the executor may hold at once (its pipeline stages)."""
+        `max_in_flight`: plans the executor may hold at once (its pipeline stages);
+        `async_scheduling`: plan each step while the executor runs the one before (one stage only)."""
+        if async_scheduling and max_in_flight > 1:
+            raise ValueError("async scheduling needs one pipeline stage: a stage cannot fill in a token "
+                             "that only the last stage samples")
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
@@ -71,7 +76,12 @@ class Engine:
         self.detokenize = True
         self._text = OutputProcessor(tokenizer, self._stop) if tokenizer is not None else None
         self.step_trace: StepTraceWriter | None = None  # --step-trace: one record per real step
-        self.max_in_flight = max_in_flight
+        # Async scheduling: step n+1 is planned and submitted before step n's tokens are back,
+        # its requests planned past their pending token (the executor fills it in), so the
+        # device never waits for the host's planning and output work (vLLM's async scheduling).
+        self.async_scheduling = async_scheduling
+        scheduler.plan_ahead = async_scheduling
+        self.max_in_flight = 2 if async_scheduling else max_in_flight
         self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
 
     @classmethod
@@ -94,7 +104,8 @@ class Engine:
             engine = cls(scheduler, side.executor, tokenizer=side.tokenizer, clock=RealClock(),
                          max_model_len=side.max_len, vocab_size=side.arch.vocab_size,
                          eos_token_ids=side.eos_token_ids, model_name=side.name,
-                         max_in_flight=config.parallel.pipeline_parallel_size)
+                         max_in_flight=config.parallel.pipeline_parallel_size,
+                         async_scheduling=side.async_scheduling)
             if config.step_trace:
                 engine.step_trace = StepTraceWriter(config.step_trace)
             if side.runner is not None:  # the model in this process (tests and benchmarks read it)
@@ -235,7 +246,11 @@ class Engine:
         counts = self._trace_counts()
         if self.lengths is not None:
             self.lengths.mark(plan)  # the states the self length head reads this step
-        result = self.executor.execute(plan)
+        try:
+            result = self.executor.execute(plan)
+        except BaseException:
+            self.scheduler.plan_lost(plan)
+            raise
         self._executed(result)
         return self._apply(plan, result, t0, t1, counts)
 
@@ -260,7 +275,9 @@ class Engine:
         """Pipeline stages (FastServe §4.3): submit batches of pending jobs while the pipe has
         room (the scheduler leaves out jobs whose token is in it), then take back the oldest
         batch: its tokens, finishes, and the policy's charge (a job whose quantum ran out in
-        flight is demoted now)."""
+        flight is demoted now). Async scheduling is the same loop with room for two plans, the
+        scheduler planning a job in flight again past its pending token: the host plans step
+        n+1 and applies step n while the executor runs step n+1."""
         ex, sched = self.executor, self.scheduler
         t0 = time.perf_counter()
         while len(self._pipe) < self.max_in_flight:
@@ -279,8 +296,12 @@ class Engine:
         if not self._wait_for_batch(horizon):
             self.timings.schedule_s += t1 - t0
             return [], []
-        result = ex.poll()
         plan = self._pipe.popleft()
+        try:
+            result = ex.poll()
+        except BaseException:
+            self.scheduler.plan_lost(plan)
+            raise
         self._executed(result)
         return self._apply(plan, result, t0, t1, counts)
 

@@ -28,6 +28,7 @@ class ModelSide:
     host_blocks: int
     swap_block_bytes: int  # one block on the host tier, whole model (all ranks)
     runner: Any = None  # model.runner.ModelRunner when the model runs in this process
+    async_scheduling: bool = False  # the executor overlaps a step with the planning of the next
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -61,8 +62,9 @@ def start_model(config: EngineConfig, host_tier: bool) -> ModelSide:
                          cuda_graphs=config.model.cuda_graphs, max_batch_size=config.scheduler.max_batch_size,
                          max_model_len=max_len, attention_backend=config.model.attention_backend,
                          compile_in_background=bool(config.model.compile_in_background))
-    return ModelSide(LocalExecutor(runner), loaded.arch, loaded.tokenizer, loaded.name, max_len, blocks,
-                     host_blocks, runner.host_block_bytes, runner)
+    overlap = config.async_scheduling_on(loaded.device.type)
+    return ModelSide(LocalExecutor(runner, overlap=overlap), loaded.arch, loaded.tokenizer, loaded.name, max_len,
+                     blocks, host_blocks, runner.host_block_bytes, runner, overlap)
 
 
 def _ranks_device(config: EngineConfig) -> str:
@@ -116,5 +118,6 @@ def _start_workers(config: EngineConfig, host_tier: bool) -> ModelSide:
         ex = MultiprocExecutor(config.model, config.cache, par.tensor_parallel_size, **sizes)
     log.info("%d worker(s) ready in %.1f s", par.tensor_parallel_size * par.pipeline_parallel_size,
              time.perf_counter() - t0)
+    device_type = "cuda" if config.model.device.startswith("cuda") else "cpu"
     return ModelSide(ex, arch, tokenizer, str(Path(config.model.model)), max_len, ex.num_blocks,
-                     ex.num_host_blocks, ex.host_block_bytes)
+                     ex.num_host_blocks, ex.host_block_bytes, async_scheduling=config.async_scheduling_on(device_type))

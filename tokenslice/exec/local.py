@@ -1,5 +1,10 @@
-"""LocalExecutor: the model in this process; a plan completes when executed."""
+"""LocalExecutor: the model in this process. A plan runs when submitted, or, with `overlap`
+(async scheduling), on one step thread, so that the engine plans the next step and handles the
+last one's tokens while this one computes; plans run in submission order either way."""
 from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from tokenslice.exec.base import ImmediateExecutor
 from tokenslice.model.runner import ModelRunner
@@ -7,13 +12,34 @@ from tokenslice.plan import StepPlan, StepResult
 
 
 class LocalExecutor(ImmediateExecutor):
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, overlap: bool = False) -> None:
         super().__init__()
         self.runner = runner
+        self._thread: ThreadPoolExecutor | None = None
+        if overlap:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenslice-step")
+        self._futures: deque[Future[StepResult]] = deque()
 
     def run(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
 
+    def submit(self, plan: StepPlan) -> None:
+        if self._thread is None:
+            super().submit(plan)
+        else:
+            self._futures.append(self._thread.submit(self.runner.execute, plan))
+
+    def poll(self) -> StepResult:
+        """The oldest submitted plan's result (what its step raised, raised here)."""
+        if self._thread is None:
+            return super().poll()
+        if not self._futures:
+            raise RuntimeError("poll() with no plan submitted")
+        return self._futures.popleft().result()
+
     def close(self) -> None:
-        """Stop the runner's transfer threads (after their queued copies). Idempotent."""
+        """Finish the plans in flight, then stop the runner's transfer threads (after their
+        queued copies). Idempotent."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
         self.runner.close()

@@ -37,7 +37,7 @@ from tokenslice.model.logprobs import prompt_logprobs, token_logprobs
 from tokenslice.model.pp import StagePipe
 from tokenslice.model.sampler import Sampler
 from tokenslice.model.transfer import TransferEngine
-from tokenslice.plan import BlockTransfer, Direction, StepPlan, StepResult, copy_runs
+from tokenslice.plan import PENDING_TOKEN, BlockTransfer, Direction, StepPlan, StepResult, copy_runs
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,9 @@ class ModelRunner:
         # How long an empty step waits for an async transfer before returning to the engine.
         self.idle_wait_s = 0.05
         self.sampler = Sampler(self.device, seed)
+        # The last step's sampled tokens: a plan made before they were known (async scheduling)
+        # computes them next, as PENDING_TOKEN (`fill_pending`).
+        self._last_sampled: dict[str, int] = {}
         # A pipeline stage (model/pp.py): hidden states come from the previous stage and go on to
         # the next; only the last stage computes logits and samples.
         self.pipe = pipe
@@ -171,6 +174,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         self.sampler.forget(plan.finished)
+        self.fill_pending(plan)
         transfer_seconds = 0.0
         if plan.swap_out or plan.swap_in:  # critical path: before compute, out before in
             t1 = time.perf_counter()
@@ -197,7 +201,20 @@ class ModelRunner:
         result.transfer_durations = {rid: self._async_seconds.pop(rid) for rid in done if rid in self._async_seconds}
         result.transfers_done = done
         result.step_seconds = time.perf_counter() - t0
+        self._last_sampled = dict(result.sampled)  # the pipeline's answering rank clears result.sampled
         return result
+
+    def fill_pending(self, plan: StepPlan) -> None:
+        """Put the tokens the last step sampled in place of this plan's PENDING_TOKEN (a plan
+        made while that step ran); a pending token is always its slice's only one."""
+        for s in plan.decode:
+            if s.token_ids[0] == PENDING_TOKEN:
+                tok = self._last_sampled.get(s.request_id)
+                if tok is None:
+                    raise RuntimeError(f"request {s.request_id}: the step before this one sampled no token for it")
+                s.token_ids = [tok]
+                if s.history_token_ids:  # penalties count it
+                    s.history_token_ids.append(tok)
 
     def _compute(self, plan: StepPlan, result: StepResult) -> None:
         """One forward pass; fills result.sampled and the logprobs of the slices that ask."""

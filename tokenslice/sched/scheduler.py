@@ -3,17 +3,27 @@ and returns a StepPlan; after the step it records tokens and finishes requests (
 What happens to KV when memory is short is the preemption strategy's (sched/preemption.py)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.kv.manager import KVManager, PrefixHit
-from tokenslice.plan import StepPlan, StepResult, request_slice
+from tokenslice.plan import SeqSlice, StepPlan, StepResult, request_slice
 from tokenslice.predict.cost import CostModel
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.stall_guard import StallGuard
 from tokenslice.sched.stats import SchedulerStats
+
+
+@dataclass
+class InFlight:
+    """A request's share of the plans submitted and not yet updated."""
+
+    plans: int = 0
+    tokens: int = 0  # tokens they compute
+    samples: int = 0  # tokens they sample
 
 
 class Scheduler:
@@ -35,14 +45,18 @@ class Scheduler:
         self._running: set[str] = set()  # chosen by the last plan
         self._stalled: list[Request] = []  # chosen by rank but waiting for their KV this step
         # In a plan not yet updated: with pipeline stages, their token is still in the pipe and
-        # they join no other batch (FastServe §4.3). Empty between steps without stages.
-        self._in_pipeline: set[str] = set()
+        # they join no other batch (FastServe §4.3); with `plan_ahead` (async scheduling) they
+        # are planned again, past the token still being sampled. Empty between synchronous steps.
+        self._in_pipeline: dict[str, InFlight] = {}
+        self.plan_ahead = False
 
     # ---- membership -------------------------------------------------------------------------
     def add(self, req: Request, now: float, delivery_rate: float | None = None) -> None:
         """`delivery_rate`: the request's own reader pace (tokens/s); None: the configured one."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already live")
+        if req.request_id in self._in_pipeline:  # a late result would be taken for the new request's
+            raise ValueError(f"request id {req.request_id!r} is still in a step in flight")
         req.delivery_rate = self.config.delivery_rate if delivery_rate is None else delivery_rate
         self.requests[req.request_id] = req
         self.preemption.on_arrival(req)
@@ -108,7 +122,7 @@ class Scheduler:
         self.stall_guard.begin_plan(self.requests, now)
         ranked = self.stall_guard.order(self.policy.ranked(now))
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
-        busy = self._in_pipeline
+        busy = set(self._in_pipeline)
         chosen, stalled, rest = self._fill_batch(ranked, seen, plan, now)
         self.preemption.end_plan(chosen | busy, plan)
         self.preemption.offload_evicted(plan)
@@ -121,8 +135,34 @@ class Scheduler:
                 self.preemption.preempt(req)
         self._running = chosen | (self._running & busy)
         self._stalled = stalled
-        busy |= chosen
+        for sl in plan.slices:
+            flight = self._in_pipeline.setdefault(sl.request_id, InFlight())
+            flight.plans += 1
+            flight.tokens += sl.num_tokens
+            flight.samples += sl.sample
         return plan
+
+    def _settle(self, slices: Iterable[SeqSlice]) -> None:
+        """These slices' plan (each request's oldest in flight) was updated."""
+        for sl in slices:
+            flight = self._in_pipeline[sl.request_id]
+            flight.plans -= 1
+            flight.tokens -= sl.num_tokens
+            flight.samples -= sl.sample
+            if not flight.plans:
+                del self._in_pipeline[sl.request_id]
+
+    def plan_lost(self, plan: StepPlan) -> None:
+        """A plan whose step failed gets no update: its requests are no longer in flight (the
+        engine aborts them)."""
+        self._settle(plan.slices)
+
+    def _planned_ahead(self, req: Request, flight: InFlight) -> bool:
+        """Whether a request in a plan in flight runs again in this one (async scheduling): only
+        past the token it is sampling, and not when that token surely ends it (max_tokens, the
+        context); an end found later (EOS, a stop string) drops this step's token."""
+        return (self.plan_ahead and flight.plans == 1 and req.tokens_until_forced_stop > flight.samples
+                and req.num_tokens + flight.samples > req.num_computed_tokens + flight.tokens)
 
     def keep_released(self, plan: StepPlan) -> None:
         """`plan` goes to no executor (nothing to run while other plans are in flight): the
@@ -145,20 +185,22 @@ class Scheduler:
             if req is None:
                 break
             rid = req.request_id
-            if rid in self._in_pipeline:  # its token is not back: the next pending job runs instead
-                continue
+            flight = self._in_pipeline.get(rid)
+            if flight is not None and not self._planned_ahead(req, flight):
+                continue  # its token is not back: the next pending job runs instead
             seen.append(req)
             if kv.in_flight(rid):  # never scheduled until its copy completes
                 stalled.append(req)
                 continue
-            computed = req.num_computed_tokens
+            computed = req.num_computed_tokens + (flight.tokens if flight else 0)
+            pending = flight.samples if flight else 0
             holds_kv = computed > 0
             protected = self.stall_guard.is_protected(rid)  # its reader waits: no queue holds it back
             if (admission_blocked and not holds_kv and not protected) or rid in dropped or (not holds_kv and self._follows(req)):
                 continue
             on_host = kv.residency(rid) == "host"
             loads = on_host or not holds_kv  # its KV must be loaded: prefilled, recomputed or swapped in
-            total = req.num_tokens
+            total = req.num_tokens + pending
             hit = None if holds_kv or on_host else self._attach_prefix(req)
             if hit is not None:
                 computed = hit.num_tokens
@@ -167,7 +209,7 @@ class Scheduler:
             if need > kv.device.num_free:
                 lower = list(it)  # everything not yet walked is lower-ranked
                 it = iter(lower)
-                if not pre.make_room(need, lower, chosen | self._in_pipeline, holds_kv, plan, dropped, loads,
+                if not pre.make_room(need, lower, chosen.union(self._in_pipeline), holds_kv, plan, dropped, loads,
                                      protected):
                     admission_blocked = admission_blocked or not holds_kv
                     if hit is not None:
@@ -180,7 +222,7 @@ class Scheduler:
             kv.ensure(rid, computed + chunk)
             chosen.add(rid)
             budget -= chunk
-            self._add_slice(req, computed, chunk, computed + chunk == total, plan, now)
+            self._add_slice(req, computed, chunk, computed + chunk == total, plan, now, pending)
         return chosen, stalled, it
 
     def _attach_prefix(self, req: Request) -> PrefixHit | None:
@@ -204,8 +246,9 @@ class Scheduler:
             return self.preemption.load_host_prefix(req, hit.host_blocks, plan)
         return True
 
-    def _add_slice(self, req: Request, computed: int, chunk: int, sample: bool, plan: StepPlan, now: float) -> None:
-        s = request_slice(req, computed, chunk, self.kv.block_table(req.request_id), sample)
+    def _add_slice(self, req: Request, computed: int, chunk: int, sample: bool, plan: StepPlan, now: float,
+                   pending: int) -> None:
+        s = request_slice(req, computed, chunk, self.kv.block_table(req.request_id), sample, pending)
         (plan.decode if chunk == 1 else plan.prefill).append(s)
         req.mark_running(now)
 
@@ -222,7 +265,7 @@ class Scheduler:
         """Record computed and sampled tokens; returns requests that got a new token."""
         ran: list[Request] = []
         produced: list[Request] = []
-        self._in_pipeline.difference_update(s.request_id for s in plan.slices)
+        self._settle(plan.slices)
         self.preemption.observe(plan, result)
         self.stall_guard.observe_step(result.step_seconds)
         for rid in result.transfers_done:  # also for requests aborted mid-transfer
@@ -299,7 +342,8 @@ class Scheduler:
         schedule/update rounds would (the caller checked nothing else could change)."""
         k = len(durations)
         new_tokens = [token] * k
-        self._in_pipeline.difference_update(r.request_id for r in reqs)
+        for r in reqs:  # the simulator's bulk steps: no plan is ahead of them
+            self._in_pipeline.pop(r.request_id, None)
         for d in durations:
             self.stall_guard.observe_step(d)
         for req in reqs:
