@@ -114,7 +114,7 @@ def _run(eng: Engine, ex: AheadExecutor, ops: list[tuple[str, int, int]], device
         eng.step()
     sched, kv = eng.scheduler, eng.scheduler.kv
     kv.check()
-    assert not eng.has_unfinished() and not ex.results and not sched._in_pipeline
+    assert not eng.has_unfinished() and not ex.results and not sched._unsettled
     assert kv.device.num_free == kv.device.num_blocks and kv.host.num_free == kv.host.num_blocks
     return added
 
@@ -201,7 +201,7 @@ def test_a_failed_step_leaves_no_request_in_flight():
     eng.abort_request("r0")  # what the engine-core loop does after a failed step
     while eng.has_unfinished():
         eng.step()
-    assert not eng.scheduler._in_pipeline
+    assert not eng.scheduler._unsettled
     assert eng.scheduler.kv.device.num_free == 100
 
 
@@ -243,7 +243,7 @@ def test_greedy_outputs_match_with_preemption_and_swaps(policy, preemption, sync
         llm.engine.step()
     assert [(r.output_token_ids, r.finish_reason) for r in reqs] == want
     sched = llm.engine.scheduler
-    assert sched.kv.device.num_free == 12 and not sched._in_pipeline
+    assert sched.kv.device.num_free == 12 and not sched._unsettled
     if preemption != "defer" and policy != "fcfs":
         assert sched.stats.preemptions > 0
     llm.engine.close()

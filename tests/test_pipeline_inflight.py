@@ -100,7 +100,7 @@ def test_in_flight_rule_holds_and_every_request_finishes(policy, mode, depth, de
         eng.step()
     sched, kv = eng.scheduler, eng.scheduler.kv
     kv.check()
-    assert not eng.has_unfinished() and not ex.pipe and not sched._in_pipeline
+    assert not eng.has_unfinished() and not ex.pipe and not sched._unsettled
     assert kv.device.num_free == kv.device.num_blocks and kv.host.num_free == kv.host.num_blocks
     for req, want in kept:
         if req.finish_reason != "abort":

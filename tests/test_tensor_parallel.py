@@ -294,4 +294,4 @@ def test_async_scheduling_over_ranks_matches_one_rank():
         assert llm.engine.async_scheduling and llm.engine.max_in_flight == 2
         assert _run_waves(llm.engine) == want
         _assert_all_free(llm.engine.scheduler)
-        assert not llm.engine.scheduler._in_pipeline
+        assert not llm.engine.scheduler._unsettled

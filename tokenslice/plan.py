@@ -58,7 +58,8 @@ def request_slice(req: Request, start: int, chunk: int, block_table: list[int], 
     ids += [PENDING_TOKEN] * (chunk - len(ids))
     s = SeqSlice(req.request_id, ids, start, block_table, sample and req.params.max_tokens > 0, req.params,
                  len(req.output_token_ids) + pending, req.eos_token_id)
-    s.prompt_logprob_offset, s.prompt_logprob_targets = req.take_prompt_logprob_targets(start, chunk)
+    if req.params.prompt_logprobs is not None:
+        s.prompt_logprob_offset, s.prompt_logprob_targets = req.take_prompt_logprob_targets(start, chunk)
     if s.sample and req.params.penalized:  # the runner sees only this step's tokens (and fills a pending one in)
         s.history_token_ids = req.prompt_token_ids + req.output_token_ids
     return s

@@ -5,6 +5,11 @@ difference, as vLLM does: decoding tokens one by one would lose the leading spac
 SentencePiece-style tokenizers strip at the start of a decode. The window starts in the
 prompt, so the first output token keeps its space too.
 
+With a Rust tokenizer the window is decoded in Rust, token by token (tokenizers' DecodeStream,
+the same prefix-window rule as above, as vLLM's fast detokenizer): one call per token instead of
+two decodes. The Python window remains for other tokenizers, and for the bytes an answer's last
+token leaves incomplete.
+
 Text is released only when it can no longer change: a multi-byte character still being
 spelled out, or a possible prefix of a stop string, is held back until it resolves. So the
 concatenated stream equals the final text.
@@ -20,19 +25,27 @@ from tokenslice.request import RequestOutput, SamplingParams
 CONTEXT_TOKENS = 5
 
 
-def _decoder(tokenizer: Any, options: dict[str, bool]) -> Callable[[list[int]], str]:
-    """`tokenizer.decode(ids, **options)`, straight from the Rust tokenizer when the Python wrapper
-    would return its text unchanged: the wrapper's argument checks cost several times the decode
-    itself, twice per token of every stream."""
+def _rust_tokenizer(tokenizer: Any, options: dict[str, bool]) -> Any | None:
+    """The Rust tokenizer behind `tokenizer` when its Python wrapper would return the Rust decode
+    unchanged for these options (the wrapper's argument checks cost several times the decode
+    itself, for every token of every stream); None otherwise."""
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
     except ImportError:  # another tokenizer library: its own decode
-        TokenizersBackend = None  # noqa: N806
+        return None
     cls = type(tokenizer)
-    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
-            and cls.decode is TokenizersBackend.decode and cls._decode is TokenizersBackend._decode
-            and not tokenizer.clean_up_tokenization_spaces and set(options) == {"skip_special_tokens"}):
-        backend, skip = tokenizer.backend_tokenizer, options["skip_special_tokens"]
+    if (isinstance(tokenizer, TokenizersBackend) and cls.decode is TokenizersBackend.decode
+            and cls._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces
+            and set(options) == {"skip_special_tokens"}):
+        return tokenizer.backend_tokenizer
+    return None
+
+
+def _decoder(tokenizer: Any, options: dict[str, bool]) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, **options)`, straight from the Rust tokenizer where that is the same."""
+    backend = _rust_tokenizer(tokenizer, options)
+    if backend is not None:
+        skip = options["skip_special_tokens"]
         return lambda ids: backend.decode(ids, skip_special_tokens=skip)
     return lambda ids: tokenizer.decode(ids, **options)
 
@@ -53,6 +66,12 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._backend = _rust_tokenizer(tokenizer, self._decode_options)
+        self._stream: Any = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(ids=self._ids, skip_special_tokens=skip_special_tokens)
         self.text = ""  # decoded output so far (cut before a stop string once found)
         self._emitted = 0
         self.stopped = False
@@ -75,21 +94,44 @@ class IncrementalDetokenizer:
         `final`: no more tokens will come, so bytes of an incomplete character are released too."""
         if self.stopped:
             return
-        self._ids.extend(token_ids)
-        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset:])
-        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
-            return  # nothing printable yet, or an incomplete UTF-8 sequence: wait for more
         before = len(self.text)
-        self.text += full[len(prefix):]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
+        if self._stream is None:
+            self._ids.extend(token_ids)
+            self._add_window(final)
+        else:
+            for i, tok in enumerate(token_ids):
+                self._ids.append(tok)
+                try:
+                    chunk = self._stream.step(self._backend, tok)
+                except Exception:  # tokenizers refuses some byte-fallback sequences: the window goes on
+                    self._stream = None
+                    self._ids.extend(token_ids[i + 1:])
+                    self._add_window(final)
+                    break
+                if chunk is not None:
+                    self.text += chunk
+                    self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            else:
+                if final and self._read_offset < len(self._ids):  # bytes of a character never completed
+                    self._add_window(final)
+        if len(self.text) == before or not self.stop:
+            return
         # A stop string may straddle old and new text; the earliest match wins.
         hits = [(at, at + len(s)) for s in self.stop if (at := self.text.find(s, max(0, before - len(s) + 1))) != -1]
         if hits:
             start, end = min(hits)
             self.text = self.text[:end if self.include_stop_str else start]
             self.stopped = True
+
+    def _add_window(self, final: bool) -> None:
+        """The text of the tokens since the last release, as the difference of two decodes."""
+        prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset:])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return  # nothing printable yet, or an incomplete UTF-8 sequence: wait for more
+        self.text += full[len(prefix):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
 
     def delta(self, final: bool) -> str:
         """New text that is safe to send; all of it when `final`."""

@@ -3,12 +3,13 @@ and returns a StepPlan; after the step it records tokens and finishes requests (
 What happens to KV when memory is short is the preemption strategy's (sched/preemption.py)."""
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Iterator
+from typing import NamedTuple
 
 from tokenslice.config import SchedulerConfig
 from tokenslice.kv.manager import KVManager, PrefixHit
-from tokenslice.plan import SeqSlice, StepPlan, StepResult, request_slice
+from tokenslice.plan import StepPlan, StepResult, request_slice
 from tokenslice.predict.cost import CostModel
 from tokenslice.request import Request, RequestState
 from tokenslice.sched.policy import Policy, PolicyContext
@@ -17,13 +18,12 @@ from tokenslice.sched.stall_guard import StallGuard
 from tokenslice.sched.stats import SchedulerStats
 
 
-@dataclass
-class InFlight:
+class InFlight(NamedTuple):
     """A request's share of the plans submitted and not yet updated."""
 
-    plans: int = 0
-    tokens: int = 0  # tokens they compute
-    samples: int = 0  # tokens they sample
+    plans: int
+    tokens: int  # tokens they compute
+    samples: int  # tokens they sample
 
 
 class Scheduler:
@@ -44,10 +44,11 @@ class Scheduler:
         self._finished: list[Request] = []  # finished since the engine last asked
         self._running: set[str] = set()  # chosen by the last plan
         self._stalled: list[Request] = []  # chosen by rank but waiting for their KV this step
-        # In a plan not yet updated: with pipeline stages, their token is still in the pipe and
-        # they join no other batch (FastServe §4.3); with `plan_ahead` (async scheduling) they
-        # are planned again, past the token still being sampled. Empty between synchronous steps.
-        self._in_pipeline: dict[str, InFlight] = {}
+        # Plans with slices not yet updated (none between synchronous steps). Their requests are
+        # in flight: with pipeline stages their token is in the pipe and they join no other batch
+        # (FastServe §4.3); with `plan_ahead` (async scheduling) they are planned again, past the
+        # token still being sampled.
+        self._unsettled: deque[StepPlan] = deque()
         self.plan_ahead = False
 
     # ---- membership -------------------------------------------------------------------------
@@ -55,7 +56,7 @@ class Scheduler:
         """`delivery_rate`: the request's own reader pace (tokens/s); None: the configured one."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already live")
-        if req.request_id in self._in_pipeline:  # a late result would be taken for the new request's
+        if req.request_id in self._in_flight():  # a late result would be taken for the new request's
             raise ValueError(f"request id {req.request_id!r} is still in a step in flight")
         req.delivery_rate = self.config.delivery_rate if delivery_rate is None else delivery_rate
         self.requests[req.request_id] = req
@@ -122,8 +123,9 @@ class Scheduler:
         self.stall_guard.begin_plan(self.requests, now)
         ranked = self.stall_guard.order(self.policy.ranked(now))
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
-        busy = set(self._in_pipeline)
-        chosen, stalled, rest = self._fill_batch(ranked, seen, plan, now)
+        flights = self._in_flight()
+        busy = set(flights)
+        chosen, stalled, rest = self._fill_batch(ranked, seen, plan, now, flights)
         self.preemption.end_plan(chosen | busy, plan)
         self.preemption.offload_evicted(plan)
         self.kv.end_plan()
@@ -135,27 +137,30 @@ class Scheduler:
                 self.preemption.preempt(req)
         self._running = chosen | (self._running & busy)
         self._stalled = stalled
-        for sl in plan.slices:
-            flight = self._in_pipeline.setdefault(sl.request_id, InFlight())
-            flight.plans += 1
-            flight.tokens += sl.num_tokens
-            flight.samples += sl.sample
+        if plan.decode or plan.prefill:
+            self._unsettled.append(plan)
         return plan
 
-    def _settle(self, slices: Iterable[SeqSlice]) -> None:
-        """These slices' plan (each request's oldest in flight) was updated."""
-        for sl in slices:
-            flight = self._in_pipeline[sl.request_id]
-            flight.plans -= 1
-            flight.tokens -= sl.num_tokens
-            flight.samples -= sl.sample
-            if not flight.plans:
-                del self._in_pipeline[sl.request_id]
+    def _in_flight(self) -> dict[str, InFlight]:
+        """The requests of the plans not yet updated (none between synchronous steps)."""
+        flights: dict[str, InFlight] = {}
+        for plan in self._unsettled:
+            for sl in plan.slices:
+                p, t, n = flights.get(sl.request_id, (0, 0, 0))
+                flights[sl.request_id] = InFlight(p + 1, t + len(sl.token_ids), n + sl.sample)
+        return flights
+
+    def _settle(self, plan: StepPlan) -> None:
+        """`plan` was updated (or lost): its requests are no longer in flight in it."""
+        for i, p in enumerate(self._unsettled):
+            if p is plan:  # the oldest, but for a plan lost out of order
+                del self._unsettled[i]
+                return
 
     def plan_lost(self, plan: StepPlan) -> None:
         """A plan whose step failed gets no update: its requests are no longer in flight (the
         engine aborts them)."""
-        self._settle(plan.slices)
+        self._settle(plan)
 
     def _planned_ahead(self, req: Request, flight: InFlight) -> bool:
         """Whether a request in a plan in flight runs again in this one (async scheduling): only
@@ -169,8 +174,8 @@ class Scheduler:
         requests it released are handed over with the next plan instead."""
         self._released = plan.finished + self._released
 
-    def _fill_batch(self, it: Iterator[Request], seen: list[Request], plan: StepPlan,
-                    now: float) -> tuple[set[str], list[Request], Iterator[Request]]:
+    def _fill_batch(self, it: Iterator[Request], seen: list[Request], plan: StepPlan, now: float,
+                    flights: dict[str, InFlight]) -> tuple[set[str], list[Request], Iterator[Request]]:
         """vLLM's allocate-or-preempt loop: take requests in rank order while the batch and token
         budget last, making room for each one's KV by evicting lower-ranked ones. Returns the
         chosen ids, the requests that would run but wait for their KV, and the unwalked rest."""
@@ -185,7 +190,7 @@ class Scheduler:
             if req is None:
                 break
             rid = req.request_id
-            flight = self._in_pipeline.get(rid)
+            flight = flights.get(rid)
             if flight is not None and not self._planned_ahead(req, flight):
                 continue  # its token is not back: the next pending job runs instead
             seen.append(req)
@@ -209,7 +214,7 @@ class Scheduler:
             if need > kv.device.num_free:
                 lower = list(it)  # everything not yet walked is lower-ranked
                 it = iter(lower)
-                if not pre.make_room(need, lower, chosen.union(self._in_pipeline), holds_kv, plan, dropped, loads,
+                if not pre.make_room(need, lower, chosen.union(flights), holds_kv, plan, dropped, loads,
                                      protected):
                     admission_blocked = admission_blocked or not holds_kv
                     if hit is not None:
@@ -219,7 +224,8 @@ class Scheduler:
                     or (hit is not None and not self._start_from_prefix(req, hit, plan))):
                 stalled.append(req)  # its KV (or cached host prefix) is copied in during this step
                 continue
-            kv.ensure(rid, computed + chunk)
+            if loads or need:  # a resident request whose last block has room grows by nothing
+                kv.ensure(rid, computed + chunk)
             chosen.add(rid)
             budget -= chunk
             self._add_slice(req, computed, chunk, computed + chunk == total, plan, now, pending)
@@ -265,7 +271,7 @@ class Scheduler:
         """Record computed and sampled tokens; returns requests that got a new token."""
         ran: list[Request] = []
         produced: list[Request] = []
-        self._settle(plan.slices)
+        self._settle(plan)
         self.preemption.observe(plan, result)
         self.stall_guard.observe_step(result.step_seconds)
         for rid in result.transfers_done:  # also for requests aborted mid-transfer
@@ -278,13 +284,15 @@ class Scheduler:
                 req.metrics.swap_stall_s += result.step_seconds
         self._stalled = []
         per_token = (result.step_seconds - sync_s) / plan.num_tokens if plan.num_tokens else 0.0
+        block_size = self.kv.block_size
         for s in plan.slices:
             req = self.requests.get(s.request_id)
             if req is None:  # aborted while the step ran
                 continue
             self.preemption.guard.charge_service(s.request_id, per_token * len(s.token_ids))
             req.num_computed_tokens += len(s.token_ids)
-            if req.cache_prefix:
+            # Blocks fill up only where a chunk ends on a block boundary or passes one.
+            if req.cache_prefix and (len(s.token_ids) > 1 or not req.num_computed_tokens % block_size):
                 self.kv.cache_computed(s.request_id, req.num_computed_tokens, req.token_ids)
             m = req.metrics
             m.iterations += 1
@@ -342,8 +350,7 @@ class Scheduler:
         schedule/update rounds would (the caller checked nothing else could change)."""
         k = len(durations)
         new_tokens = [token] * k
-        for r in reqs:  # the simulator's bulk steps: no plan is ahead of them
-            self._in_pipeline.pop(r.request_id, None)
+        self._unsettled.clear()  # the simulator's bulk steps stand for the one plan scheduled
         for d in durations:
             self.stall_guard.observe_step(d)
         for req in reqs:
