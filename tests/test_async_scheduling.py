@@ -275,3 +275,23 @@ def test_a_fault_in_the_step_thread_reaches_the_engine():
     with pytest.raises(WorkerError, match="rank gone"):
         llm.engine.step()
     llm.engine.close()
+
+
+def test_async_scheduling_turns_on_and_off_between_steps(synchronous):
+    prompts, want = synchronous
+    llm = LLM(str(STORIES), max_batch_size=4, async_scheduling=False)
+    eng = llm.engine
+    assert not eng.async_scheduling and eng.executor._thread is None
+    eng.set_async_scheduling(True)
+    assert eng.executor._thread is not None and eng.max_in_flight == 2
+    assert [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, GREEDY)] == want
+    eng.add_request(prompts[0], GREEDY)
+    eng.step()  # a plan is in flight now
+    with pytest.raises(RuntimeError, match="plans in flight"):
+        eng.set_async_scheduling(False)
+    while eng.has_unfinished():
+        eng.step()
+    eng.set_async_scheduling(False)
+    assert eng.executor._thread is None and eng.max_in_flight == 1
+    assert [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, GREEDY)] == want
+    eng.close()

@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tokenslice.config import CpuConfig
+from conftest import STORIES
+from tokenslice.config import CpuConfig, ModelConfig
+from tokenslice.model.loader import load_arch
 from tokenslice.engine.cpus import available_cpus, plan_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +28,18 @@ def test_two_cpus_one_each(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (plan.api_cpus, plan.engine_cpus, plan.engine_threads) == ((0,), (1,), 1)
     assert plan.disjoint and not plan.pin  # pinned only when asked, on 2 CPUs
     assert plan_cpus(CpuConfig(pin_cpus=True), [0, 1]).pin == hasattr(os, "sched_setaffinity")
+
+
+def test_a_large_model_gets_a_thread_on_every_cpu_where_nothing_is_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    smollm2, stories = 134_479_872, 259_328  # ArchConfig.matmul_params of the two real models
+    assert load_arch(ModelConfig(model=str(STORIES))).matmul_params == stories
+    plan = plan_cpus(CpuConfig(), [0, 1])
+    assert (plan.threads_for(smollm2), plan.threads_for(stories)) == (2, 1)
+    for kept in (CpuConfig(pin_cpus=True), CpuConfig(engine_threads=1)):  # pinned, or chosen: as asked
+        assert plan_cpus(kept, [0, 1]).threads_for(smollm2) == 1 or not hasattr(os, "sched_setaffinity")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert plan_cpus(CpuConfig(), [0, 1]).threads_for(smollm2) == 1
 
 
 def test_many_cpus_engine_gets_all_but_the_api_servers(monkeypatch: pytest.MonkeyPatch) -> None:

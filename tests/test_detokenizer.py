@@ -92,3 +92,16 @@ def test_a_sequence_the_stream_refuses_goes_on_in_the_window():
         detok.add([tok], final=i == len(answer) - 1)
         deltas.append(detok.delta(i == len(answer) - 1))
     assert detok._stream is None and "".join(deltas) == detok.text and detok.text
+
+
+def test_a_prompt_ending_inside_a_character_keeps_its_bytes():
+    # The prompt's last token starts a 3-byte character the answer never completes: none of the
+    # prompt's bytes may come out as the answer's text (the stream would release them).
+    tokenizer = load_tokenizer(BUILTIN_TINY)
+    euro = _ids(tokenizer, "€")  # three byte tokens
+    prompt, answer = _ids(tokenizer, "price ") + euro[:1], _ids(tokenizer, "x and y")
+    detok = IncrementalDetokenizer(tokenizer, prompt, [])
+    assert detok._stream is None
+    for i, tok in enumerate(answer):
+        detok.add([tok], final=i == len(answer) - 1)
+    assert detok.text == "x and y"

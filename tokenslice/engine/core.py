@@ -89,6 +89,11 @@ def run_engine_core(config: bytes, input_address: str, output_address: str, log_
             code = 1
             return
         engine.detokenize = False
+        threads = cpus.threads_for(engine.matmul_params)
+        if threads != cpus.engine_threads:
+            log.info("%d torch threads, one per CPU: a model of %.0f M weights per token pays for them",
+                     threads, engine.matmul_params / 1e6)
+            torch.set_num_threads(threads)
         # What startup built (the model, torch's and transformers' objects) lives as long as the
         # process: keep it out of every later full collection, a pause between two steps.
         gc.freeze()

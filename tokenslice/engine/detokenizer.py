@@ -68,7 +68,8 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         self._backend = _rust_tokenizer(tokenizer, self._decode_options)
         self._stream: Any = None
-        if self._backend is not None:
+        # A prompt that ends inside a character: the stream would release its bytes as the answer's.
+        if self._backend is not None and not self._decode(self._ids).endswith("\ufffd"):
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(ids=self._ids, skip_special_tokens=skip_special_tokens)

@@ -68,6 +68,7 @@ class Engine:
         self.num_steps = 0
         self.timings = StepTimings()
         self.lengths: OnlineLengthPredictor | None = None  # for srpt-predicted
+        self.matmul_params = 0  # weights each token multiplies (ArchConfig.matmul_params); 0: unknown
         # Logprobs computed since a request's last output (sampled token, prompt positions).
         self._logprobs: dict[str, TokenLogprobs] = {}
         self._prompt_logprobs: dict[str, TokenLogprobs] = {}
@@ -106,6 +107,7 @@ class Engine:
                          eos_token_ids=side.eos_token_ids, model_name=side.name,
                          max_in_flight=config.parallel.pipeline_parallel_size,
                          async_scheduling=side.async_scheduling)
+            engine.matmul_params = side.arch.matmul_params
             if config.step_trace:
                 engine.step_trace = StepTraceWriter(config.step_trace)
             if side.runner is not None:  # the model in this process (tests and benchmarks read it)
@@ -120,6 +122,20 @@ class Engine:
         except BaseException:
             side.executor.close()
             raise
+
+    def set_async_scheduling(self, on: bool) -> None:
+        """Turn async scheduling on or off between steps (no plan in flight), e.g. to measure both
+        on one loaded model; the executor must be able to overlap (LocalExecutor) or run plans
+        submitted ahead (the worker executors)."""
+        if self._pipe:
+            raise RuntimeError("set_async_scheduling with plans in flight")
+        if on and self.max_in_flight > 1 and not self.async_scheduling:
+            raise ValueError("async scheduling needs one pipeline stage")
+        set_overlap = getattr(self.executor, "set_overlap", None)
+        if set_overlap is not None:
+            set_overlap(on)
+        self.async_scheduling = self.scheduler.plan_ahead = on
+        self.max_in_flight = 2 if on else 1
 
     def close(self) -> None:
         """Release executor resources (transfer threads) and the length predictor. Idempotent."""

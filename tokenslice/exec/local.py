@@ -20,6 +20,16 @@ class LocalExecutor(ImmediateExecutor):
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenslice-step")
         self._futures: deque[Future[StepResult]] = deque()
 
+    def set_overlap(self, on: bool) -> None:
+        """Start or stop the step thread; only with no plan in flight."""
+        if self._futures:
+            raise RuntimeError("set_overlap with plans in flight")
+        if on and self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenslice-step")
+        elif not on and self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+
     def run(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
 

@@ -44,6 +44,15 @@ class ArchConfig:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
+    def matmul_params(self) -> int:
+        """Weights each token multiplies: the layers' linears and the LM head (a quantized model's
+        as many as the dense one's)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = 2 * self.hidden_size * q + 2 * self.hidden_size * kv
+        mlp = (2 if self.family == "opt" else 3) * self.hidden_size * self.intermediate_size
+        return self.num_layers * (attention + mlp) + self.hidden_size * self.vocab_size
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token across all layers at 4-byte precision; scale by element size."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4

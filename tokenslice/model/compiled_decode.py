@@ -77,6 +77,7 @@ class CompiledDecode:
         self.model, self.kv, self.block_size, self.device = model, kv, block_size, device
         self.backend = backend
         self.graphs: dict[tuple[int, int], _Graph | _PagedGraph] = {}
+        self.last_graph: torch.cuda.CUDAGraph | None = None  # the last step's
         self.multi_row = True  # a graph for steps of several rows as well
         self.batch_buckets = buckets(max_batch_size)
         # triton: one context "bucket", the longest (the kernels stop at each row's length).
@@ -153,6 +154,7 @@ class CompiledDecode:
         if b is None or c is None:
             return None
         width = dec.tables.shape[1] if self.backend == "triton" else c // bs  # triton: no context padding
+        self.last_graph = self.graphs[(b, c)].graph  # the GPU check times it alone
         return self.graphs[(b, c)].replay(_pad(dec, b, width), bs)[:d]
 
     @torch.inference_mode()
