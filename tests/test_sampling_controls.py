@@ -51,11 +51,72 @@ def test_sampler_bias_and_min_p_rows() -> None:
     biased = _slice("a", greedy(logit_bias={0: 100.0, 3: -100.0}), [1], 0)
     plain = _slice("b", greedy(), [1], 0)
     assert sampler.sample(logits.clone(), [biased, plain]) == [0, 3]
-    # min_p 0.3 at temperature 1: p_i / p_max = e^(l_i - 3) >= 0.3 keeps tokens 2 (0.37) and 3 only.
-    work = logits.clone()
-    keep = SamplingParams(temperature=1.0, min_p=0.3)
-    sampler._apply_min_p(work, [_slice("c", keep, [1], 0), _slice("d", greedy(min_p=0.3), [1], 0)])
-    assert work[0].tolist() == [-math.inf, -math.inf, 2.0, 3.0]
+    # min_p 0.3 at temperature 1: p_i / p_max = e^(l_i - 3) >= 0.3 keeps tokens 2 (0.37) and 3 only,
+    # renormalised; a greedy row with min_p is still the argmax.
+    rows = [_slice("c", SamplingParams(temperature=1.0, min_p=0.3), [1], 0), _slice("d", greedy(min_p=0.3), [1], 0)]
+    drawn = [sampler.sample(logits.clone(), rows) for _ in range(2000)]
+    assert {d[1] for d in drawn} == {3} and {d[0] for d in drawn} == {2, 3}
+    share = sum(d[0] == 2 for d in drawn) / len(drawn)
+    assert abs(share - 1 / (1 + math.e)) < 4 * math.sqrt(0.2 / len(drawn))  # 0.269, within 4 sigma
+
+
+def _frequencies(sampler: Sampler, logits: torch.Tensor, params: SamplingParams, n: int) -> list[float]:
+    rows = [_slice(f"r{i}", params, [1], 0) for i in range(n)]
+    drawn = sampler.sample(logits.repeat(n, 1), rows)
+    return [drawn.count(t) / n for t in range(logits.shape[-1])]
+
+
+@pytest.mark.parametrize("params, want", [
+    (SamplingParams(temperature=1.0), [0.1, 0.2, 0.3, 0.4]),
+    (SamplingParams(temperature=0.5), [1 / 30, 4 / 30, 9 / 30, 16 / 30]),  # p^(1/T), renormalised
+    (SamplingParams(temperature=1.0, top_k=2), [0.0, 0.0, 3 / 7, 4 / 7]),
+    (SamplingParams(temperature=1.0, top_p=0.65), [0.0, 0.0, 3 / 7, 4 / 7]),  # 0.4 + 0.3 reaches 0.65
+    (SamplingParams(temperature=1.0, min_p=0.5), [0.0, 0.0, 3 / 7, 4 / 7]),  # 0.2 < 0.5 x 0.4
+    (SamplingParams(temperature=1.0, top_p=1e-9), [0.0, 0.0, 0.0, 1.0]),  # the top token always stays
+])
+def test_a_batch_of_draws_follows_the_renormalised_distribution(params: SamplingParams, want: list[float]) -> None:
+    # Rows of one batch draw independently: their frequencies are the distribution's.
+    logits = torch.tensor([[0.1, 0.2, 0.3, 0.4]]).log()
+    got = _frequencies(Sampler(torch.device("cpu"), 3), logits, params, 8000)
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= 4 * math.sqrt(w * (1 - w) / 8000) + 1e-9, (got, want)
+
+
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+    others = [SamplingParams(temperature=0.7), greedy(), SamplingParams(temperature=1.3, seed=5, top_k=7)]
+
+    def run(batch: bool) -> list[int]:
+        sampler = Sampler(torch.device("cpu"), 0)
+        tokens = []
+        for step in range(20):
+            rows = [_slice("s", seeded, [1], step)]
+            if batch:
+                rows += [_slice(f"o{i}", p, [1], step) for i, p in enumerate(others)]
+            tokens.append(sampler.sample(logits.repeat(len(rows), 1), rows)[0])
+        return tokens
+
+    alone = run(False)
+    assert run(True) == alone and len(set(alone)) > 1
+
+
+def test_greedy_rows_take_the_argmax_and_draw_nothing() -> None:
+    sampler = Sampler(torch.device("cpu"), 0)
+    state = sampler._shared.get_state()
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(1))
+    rows = [_slice(f"g{i}", greedy(top_k=3, top_p=0.5), [1], 0) for i in range(5)]
+    assert sampler.sample(logits.clone(), rows) == logits.argmax(dim=-1).tolist()
+    assert torch.equal(sampler._shared.get_state(), state) and not sampler._generators
+
+
+def test_min_tokens_bans_stop_ids_per_row() -> None:
+    sampler = Sampler(torch.device("cpu"), 0)
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0]] * 3)
+    early = SeqSlice("a", [1], 0, [0], True, greedy(min_tokens=2, stop_token_ids=[3]), 0, eos_token_id=1)
+    done = SeqSlice("b", [1], 0, [0], True, greedy(min_tokens=2, stop_token_ids=[3]), 2, eos_token_id=1)
+    ignoring = SeqSlice("c", [1], 0, [0], True, greedy(min_tokens=2, ignore_eos=True), 0, eos_token_id=1)
+    assert sampler.sample(logits.clone(), [early, done, ignoring]) == [2, 1, 1]
 
 
 def test_greedy_text_unchanged_by_neutral_settings(stories_llm: LLM) -> None:
@@ -148,3 +209,16 @@ def test_cli_generate_penalty_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out != plain
     assert main([*common, "--presence-penalty", "9"]) == 2
     assert "presence_penalty" in capsys.readouterr().err
+
+
+def test_top_p_beyond_the_candidates_uses_the_whole_vocabulary() -> None:
+    # A flat distribution: the 256 most likely of 1,000 tokens hold 36% of the mass, top_p asks for
+    # half, so the kept prefix (about 400 tokens) reaches past them.
+    probs = torch.exp(-torch.arange(1000) / 1000.0)
+    probs /= probs.sum()
+    cutoff = int((probs.cumsum(0) - probs < 0.5).sum())  # tokens kept: the prefix reaching 0.5
+    assert cutoff > 256
+    got = _frequencies(Sampler(torch.device("cpu"), 5), probs.log()[None], SamplingParams(temperature=1.0, top_p=0.5),
+                       4000)
+    drawn = [t for t, f in enumerate(got) if f > 0]
+    assert max(drawn) < cutoff and max(drawn) > 256

@@ -145,8 +145,10 @@ class IncrementalDetokenizer:
         """Fill a step output's text on the API server's side of the engine. On a stop string the
         output becomes the request's last ("stop"), and True says the engine must be told to
         abort it: the engine has already moved on to the next step, whose token is never sent."""
-        self.add_step(out.new_token_ids, out.finish_reason if out.finished else None)
-        if out.finished:
+        if not out.finished:
+            self.add(out.new_token_ids)
+        else:
+            self.add_step(out.new_token_ids, out.finish_reason)
             self.add([], final=True)  # release bytes held back waiting for a character to complete
         ended_here = self.stopped and not out.finished
         if ended_here:

@@ -365,7 +365,8 @@ class Engine:
         rid = req.request_id
         out = RequestOutput(rid, new_ids, "", req.is_finished, req.finish_reason, req.num_prompt_tokens,
                             req.num_output_tokens, req.metrics, req.user, tenant=req.tenant)
-        out.prompt_logprobs = self._prompt_logprobs.pop(rid, None)
+        if self._prompt_logprobs:
+            out.prompt_logprobs = self._prompt_logprobs.pop(rid, None)
         if req.params.logprobs is not None:
             out.logprobs = self._logprobs.pop(rid, None)
             if out.logprobs is not None:
