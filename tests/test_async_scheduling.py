@@ -295,3 +295,28 @@ def test_async_scheduling_turns_on_and_off_between_steps(synchronous):
     assert eng.executor._thread is None and eng.max_in_flight == 1
     assert [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, GREEDY)] == want
     eng.close()
+
+
+def test_a_served_stream_is_the_same_with_async_scheduling():
+    # The engine-core process plans ahead; streamed text, stop strings and usage are unchanged.
+    import openai
+
+    from serverkit import start_server
+
+    def answers(*flags: str) -> list[tuple[str, str | None, int]]:
+        with start_server("--model", str(STORIES), "--kv-cache-blocks", "24", "--max-batch-size", "4",
+                          *flags) as srv:
+            client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=60)
+            out = []
+            for prompt, stop in (("Once upon a time", None), ("The little dog", ["the"]), ("She said", ["."])):
+                chunks = list(client.completions.create(model=str(STORIES), prompt=prompt, max_tokens=24,
+                                                        temperature=0, stop=stop, stream=True,
+                                                        stream_options={"include_usage": True}))
+                text = "".join(c.choices[0].text for c in chunks if c.choices)
+                reason = next(c.choices[0].finish_reason for c in reversed(chunks) if c.choices)
+                out.append((text, reason, chunks[-1].usage.completion_tokens))
+            return out
+
+    sync = answers("--no-async-scheduling")
+    assert answers("--async-scheduling") == sync
+    assert {reason for _, reason, _ in sync} == {"length", "stop"}

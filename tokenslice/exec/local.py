@@ -16,19 +16,26 @@ class LocalExecutor(ImmediateExecutor):
         super().__init__()
         self.runner = runner
         self._thread: ThreadPoolExecutor | None = None
-        if overlap:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenslice-step")
         self._futures: deque[Future[StepResult]] = deque()
+        self.set_overlap(overlap)
 
     def set_overlap(self, on: bool) -> None:
         """Start or stop the step thread; only with no plan in flight."""
         if self._futures:
             raise RuntimeError("set_overlap with plans in flight")
         if on and self._thread is None:
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenslice-step")
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenslice-step", initializer=self._on_device)
         elif not on and self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
+
+    def _on_device(self) -> None:
+        """The step thread's current CUDA device is the model's (a new thread starts on device 0,
+        where the model's CUDA graphs could not be launched)."""
+        if self.runner.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(self.runner.device)
 
     def run(self, plan: StepPlan) -> StepResult:
         return self.runner.execute(plan)
