@@ -236,3 +236,27 @@ def test_from_trace_with_grid_through_the_cli(tmp_path: Path) -> None:
     # the trace's steps put it (1.6x for this trace of stories260k).
     pulled = fit(mixed, "--with-grid", str(grid)).iteration_seconds(big)
     assert 1.25 * traced_only.iteration_seconds(big) < pulled < 10 * traced_only.iteration_seconds(big)
+
+
+def test_async_scheduling_overlaps_the_loop_time_in_the_simulator() -> None:
+    """With the engine's async scheduling a step takes the longer of its forward and its loop
+    time, in single steps and in fast-forward alike; without loop terms nothing changes."""
+    with_loop = ProfileCostModel(FORWARD, LINK, 1280, loop=LOOP)
+    cfg = SchedulerConfig(policy="fcfs", max_batch_size=4)
+    (req,) = _steps(simulated_engine(cfg, with_loop, kv_cache_blocks=64, async_scheduling=True), 1, 5)
+    prefill = BatchShape.from_lengths(prefill=[(8, 0)])
+    expected = max(with_loop.iteration_seconds(prefill), with_loop.loop_seconds(LoopShape(1, 1, 1)))
+    for ctx in range(9, 13):
+        expected += max(with_loop.iteration_seconds(BatchShape.from_lengths(decode=[ctx])),
+                        with_loop.loop_seconds(LoopShape(1, 1, 0)))
+    assert req.metrics.finish_time == pytest.approx(expected, rel=1e-12)
+
+    def finish_times(fast: bool, overlap: bool, cost: ProfileCostModel = with_loop) -> list[float]:
+        eng = simulated_engine(cfg, cost, kv_cache_blocks=512, async_scheduling=overlap)
+        eng.fast_forward = fast
+        return [r.metrics.finish_time for r in _steps(eng, 12, 40)]
+
+    assert finish_times(True, True) == finish_times(False, True)
+    assert max(finish_times(True, True)) < max(finish_times(True, False))
+    without = ProfileCostModel(FORWARD, LINK, 1280)
+    assert finish_times(True, True, without) == finish_times(True, False, without)

@@ -80,6 +80,9 @@ def add_subcommand(sub: Any) -> None:
          help="share cached KV of equal prompt prefixes (dataset workloads: synthetic prompts never share)")
     flag("block_groups", action=argparse.BooleanOptionalAction,
          help="swap modes: few contiguous runs per request (FastSwitch); off: one copy per block as vLLM")
+    flag("async_scheduling", action=argparse.BooleanOptionalAction,
+         help="time steps as the engine's --async-scheduling does: the loop's own time (profiles with loop "
+              "terms) overlaps the step's instead of adding to it")
     add_scheduler_tuning_args(m, SweepSpec)
     flag("block_size")
     flag("slo_normalized_latency", help="s/token (default: 10x the profile's decode iteration time)")

@@ -32,6 +32,10 @@ class SimulatedEngine(Engine):
         # A cost model whose loop terms (fitted on step traces) advance the clock besides each
         # forward pass, as a real engine's scheduling and bookkeeping take time.
         self.loop_cost: CostModel | None = None
+        # Async scheduling's timing (the real engine's --async-scheduling): the loop's own time
+        # runs while the device computes, so a step takes the longer of the two, not their sum.
+        # Only time is modelled; the policies still see each step's tokens before the next plan.
+        self.overlap_loop = False
         self._arrivals = 0  # requests added since the last step
         self._step_began = 0.0  # when the last executed step began (pipelined: its wait began); traced
 
@@ -43,7 +47,8 @@ class SimulatedEngine(Engine):
     def _executed(self, result: StepResult) -> None:
         self._step_began = self.clock.now()  # the executors only read the clock: the step starts now
         if self.max_in_flight == 1:
-            self.clock.advance(result.step_seconds + self._loop_seconds(len(result.sampled)))
+            loop = self._loop_seconds(len(result.sampled))
+            self.clock.advance(max(result.step_seconds, loop) if self.overlap_loop else result.step_seconds + loop)
             return
         if result.done_at is not None:  # pipelined: the batch came back at its own time
             self.clock.advance_to(result.done_at)
@@ -97,7 +102,7 @@ class SimulatedEngine(Engine):
         while True:
             more_d, more_e = sim.repeat_decode_times(
                 reqs, window - len(durations), ends[-1] if ends else self.clock.now(), first_step=len(durations),
-                loop_s=loop_s)
+                loop_s=loop_s, overlap=self.overlap_loop)
             durations += more_d
             ends += more_e
             # Stop at the first step that reaches the next arrival, as step-by-step replay would.
@@ -121,7 +126,8 @@ def simulated_engine(config: SchedulerConfig, cost: CostModel, *, kv_cache_block
                      enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                      block_groups: bool = CacheConfig.block_groups, max_in_flight: int | None = None,
                      policy_cost: CostModel | None = None,
-                     engine_class: type[SimulatedEngine] = SimulatedEngine) -> SimulatedEngine:
+                     engine_class: type[SimulatedEngine] = SimulatedEngine,
+                     async_scheduling: bool = False) -> SimulatedEngine:
     """A simulated engine (of `engine_class`, a subclass that observes it, if given). A cost model with pipeline stages (`:ppM`) gets the pipelined
     executor, `max_in_flight` batches in the pipe (default one per stage). `policy_cost` is the
     cost model the policies see (default: `cost`), e.g. the profile a real server's policies
@@ -138,6 +144,9 @@ def simulated_engine(config: SchedulerConfig, cost: CostModel, *, kv_cache_block
                           vocab_size=1 << 31, eos_token_ids=[], model_name=cost.name,
                           max_in_flight=executor.max_in_flight if pipelined else 1)
     engine.fast_forward = not pipelined  # bulk repeats assume one batch at a time
+    if async_scheduling and pipelined:
+        raise ValueError("async_scheduling needs one pipeline stage (a cost model without :ppM)")
+    engine.overlap_loop = async_scheduling
     if cost.has_loop_cost:  # pipelined: the loop's time between a batch's return and the next submit
         engine.loop_cost = cost
     return engine

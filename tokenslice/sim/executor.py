@@ -56,17 +56,18 @@ class SimulatedExecutor(ImmediateExecutor):
         return self.cost.transfer_seconds(len(pairs) * self.block_bytes, len(copy_runs(pairs)))
 
     def repeat_decode_times(self, reqs: list[Request], k: int, now: float, first_step: int = 0,
-                            loop_s: float = 0.0) -> tuple[list[float], list[float]]:
+                            loop_s: float = 0.0, overlap: bool = False) -> tuple[list[float], list[float]]:
         """Durations and end times of decode steps first_step .. first_step + k - 1 of this batch,
         starting at `now`; contexts grow by one a step. Ends accumulate one by one, as the clock
-        would step by step; each step's end also counts `loop_s`, the engine loop's own time."""
+        would step by step; each step's end also counts `loop_s`, the engine loop's own time
+        (with `overlap`, async scheduling: only where it outlasts the step)."""
         n = len(reqs)
         ctx = sum(r.num_tokens for r in reqs)
         durations, ends = [], []
         t = now
         for j in range(first_step, first_step + k):
             d = self.cost.iteration_seconds(BatchShape(decode_seqs=n, context_tokens=ctx + n * j))
-            t += d + loop_s
+            t += max(d, loop_s) if overlap else d + loop_s
             durations.append(d)
             ends.append(t)
         return durations, ends

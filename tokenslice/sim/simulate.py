@@ -49,8 +49,8 @@ SIMULATE_MAX_BATCH_SIZE = 16
 RECORD_STATE_INTERVAL_S = 1.0
 # SchedulerConfig fields a SweepSpec also has but does not hand to the scheduler: the SLO is
 # resolved against the cost model per sweep, and the length predictor is applied to the workload
-# up front (predict_lengths).
-_NOT_SCHEDULER_SETTINGS = frozenset({"slo_normalized_latency", "length_predictor"})
+# up front (predict_lengths); async scheduling is applied to the simulator's clock (simulated_engine).
+_NOT_SCHEDULER_SETTINGS = frozenset({"slo_normalized_latency", "length_predictor", "async_scheduling"})
 
 
 @dataclass
@@ -76,6 +76,7 @@ class SweepSpec:
     offload_dtype: str = field_from(CacheConfig, "offload_dtype")
     enable_prefix_caching: bool = field_from(CacheConfig, "enable_prefix_caching")  # real token ids only
     block_groups: bool = field_from(CacheConfig, "block_groups")
+    async_scheduling: bool = False  # the loop's time overlaps the device's (SimulatedEngine.overlap_loop)
     burst_reserve_jobs: int = field_from(SchedulerConfig, "burst_reserve_jobs")
     burst_reserve_queues: int = field_from(SchedulerConfig, "burst_reserve_queues")
     eviction_amortization: float = field_from(SchedulerConfig, "eviction_amortization")
@@ -262,8 +263,8 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
                  enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
                  block_groups: bool = CacheConfig.block_groups, state_recorder: StateRecorder | None = None,
                  path: ServingPath | None = None, step_trace: str | None = None,
-                 policy_cost: CostModel | None = None, max_tokens_is_output: bool = False
-                 ) -> tuple[list[RequestRecord], dict[str, Any]]:
+                 policy_cost: CostModel | None = None, max_tokens_is_output: bool = False,
+                 async_scheduling: bool = False) -> tuple[list[RequestRecord], dict[str, Any]]:
     """Replay a workload on the simulator: (per-request records, engine-wide counters). The host
     tier (swap modes only) defaults to HOST_KV_FACTOR x the device pool. With `length_predictor`, requests
     without a prediction get one first (predict_lengths). With `priority`, requests get priorities
@@ -284,7 +285,7 @@ def simulate_run(cost: CostModel, workload_requests: Sequence[WorkloadRequest], 
     engine = simulated_engine(sched_config, cost, kv_cache_blocks=kv_cache_blocks, block_size=block_size,
                               host_kv_blocks=host, offload_dtype=offload_dtype,
                               enable_prefix_caching=enable_prefix_caching, block_groups=block_groups,
-                              policy_cost=policy_cost)
+                              policy_cost=policy_cost, async_scheduling=async_scheduling)
     if step_trace is not None:
         from tokenslice.engine.step_trace import StepTraceWriter
 
@@ -312,11 +313,11 @@ def ample_kv_blocks(requests: Sequence[WorkloadRequest], max_batch_size: int,
 
 def fcfs_saturation_rps(cost: CostModel, workload_requests: Sequence[WorkloadRequest],
                         sched_config: SchedulerConfig, kv_cache_blocks: int,
-                        block_size: int = CacheConfig.block_size) -> float:
+                        block_size: int = CacheConfig.block_size, async_scheduling: bool = False) -> float:
     """Throughput (req/s) of fcfs with every request arriving at t=0: N / makespan."""
     at_once = [dataclasses.replace(r, arrival_time=0.0) for r in workload_requests]
     cfg = dataclasses.replace(sched_config, policy="fcfs")
-    records, _ = simulate_run(cost, at_once, cfg, kv_cache_blocks, block_size)
+    records, _ = simulate_run(cost, at_once, cfg, kv_cache_blocks, block_size, async_scheduling=async_scheduling)
     span = max(r.finish_time for r in records if r.finish_time is not None)
     return len(records) / span if span > 0 else math.inf
 
@@ -398,7 +399,7 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
     saturation: dict[int, float] = {}
     for seed, wl in at_once.items():
         saturation[seed] = fcfs_saturation_rps(cost, wl, spec.scheduler_config("fcfs", slo), kv_blocks,
-                                               spec.block_size)
+                                               spec.block_size, spec.async_scheduling)
         tick(f"fcfs saturation seed={seed}")
 
     runs: list[dict[str, Any]] = []
@@ -417,7 +418,8 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                                                      spec.block_size, spec.host_kv_blocks, spec.offload_dtype,
                                                      priority=spec.priority(seed),
                                                      enable_prefix_caching=spec.enable_prefix_caching,
-                                                     block_groups=spec.block_groups, state_recorder=recorder)
+                                                     block_groups=spec.block_groups, state_recorder=recorder,
+                                                     async_scheduling=spec.async_scheduling)
                     metrics = run_metrics(records, counters, slo)
                     users = user_summary(records)
                     runs.append(run_entry(policy, spec.preemption, rate, metrics, load=load, cv=spec.cv,
@@ -443,7 +445,7 @@ def run_sweep(cost: CostModel, spec: SweepSpec, *, profile_name: str | None = No
                               "max_tokens_per_step": spec.max_tokens_per_step, "kv_cache_blocks": kv_blocks,
                               "host_kv_blocks": spec.host_blocks(kv_blocks), "offload_dtype": spec.offload_dtype,
                               "enable_prefix_caching": spec.enable_prefix_caching,
-                              "block_groups": spec.block_groups,
+                              "block_groups": spec.block_groups, "async_scheduling": spec.async_scheduling,
                               "burst_reserve_jobs": spec.burst_reserve_jobs,
                               "burst_reserve_queues": spec.burst_reserve_queues,
                               "eviction_amortization": spec.eviction_amortization,
