@@ -26,17 +26,25 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int],
     # [rows, vocab] log-probabilities are never written (top-k of x and of log_softmax(x) agree).
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     chosen_t = logits.gather(1, token_ids.view(-1, 1))
-    rank_list = ((logits > chosen_t).sum(dim=-1) + 1).tolist() if ranks else []
-    chosen = (chosen_t - lse).view(-1).tolist()
     kmax = max(ks, default=0)
+    # Everything reported in one float64 table (exact for fp32 values and token ids): one device read.
+    parts = [chosen_t - lse, token_ids.view(-1, 1)]
+    if ranks:
+        parts.append((logits > chosen_t).sum(dim=-1, keepdim=True) + 1)
+    if kmax:
+        vals, idx = torch.topk(logits, kmax, dim=-1)
+        parts += [vals - lse, idx]
+    table = torch.cat([t.double() for t in parts], dim=1).cpu()
+    chosen = table[:, 0].tolist()
+    ids = table[:, 1].long().tolist()
+    rank_list = table[:, 2].long().tolist() if ranks else []
     top_vals: list[list[float]] = [[] for _ in ks]
     top_ids: list[list[int]] = [[] for _ in ks]
     if kmax:
-        vals, idx = torch.topk(logits, kmax, dim=-1)
-        all_vals, all_ids = (vals - lse).tolist(), idx.tolist()
+        start = 3 if ranks else 2
+        all_vals, all_ids = table[:, start:start + kmax].tolist(), table[:, start + kmax:].long().tolist()
         top_vals = [v[:k] for v, k in zip(all_vals, ks, strict=True)]
         top_ids = [t[:k] for t, k in zip(all_ids, ks, strict=True)]
-    ids = token_ids.tolist()
     return [TokenLogprobs([t], [c], rank_list[i:i + 1], [ti], [tv])
             for i, (t, c, ti, tv) in enumerate(zip(ids, chosen, top_ids, top_vals, strict=True))]
 
