@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import STORIES
+from test_pipeline_inflight import POLICIES, small_engine
 from tokenslice import LLM, SamplingParams
 from tokenslice.config import PREEMPTION_MODES, EngineConfig, SchedulerConfig
 from tokenslice.engine.engine import Engine
@@ -23,9 +24,6 @@ from tokenslice.request import SamplingParams as Params
 from tokenslice.sched.scheduler import Scheduler
 from tokenslice.sim.engine import simulated_engine
 
-COST = load_cost_model("opt-13b@a100-40gb")
-POLICIES = ["fcfs", "request-level", "mlfq", "fixed-priority", "skip-join-mlfq", "srpt-oracle", "srpt-predicted",
-            "priority", "vtc"]
 STOP = 11  # a stop token the token function below samples now and then
 
 
@@ -83,14 +81,10 @@ class AheadExecutor:
 
 
 def _engine(policy: str, mode: str, device: int, host: int, ahead: bool) -> tuple[Engine, AheadExecutor]:
-    cfg = SchedulerConfig(policy=policy, preemption=mode, max_batch_size=3, max_tokens_per_step=48,
-                          starvation_limit_s=0.05)
-    eng = simulated_engine(cfg, COST, kv_cache_blocks=device, block_size=4, host_kv_blocks=host)
-    eng.fast_forward = False
+    eng = small_engine(policy, mode, device, host)
     ex = AheadExecutor(eng.scheduler, {})
     eng.executor = ex
-    eng.async_scheduling = eng.scheduler.plan_ahead = ahead
-    eng.max_in_flight = 2 if ahead else 1
+    eng.set_async_scheduling(ahead)
     return eng, ex
 
 
@@ -213,6 +207,11 @@ def test_pipeline_stages_refuse_async_scheduling():
     assert auto.async_scheduling_on("cuda") and not auto.async_scheduling_on("cpu")
     assert not EngineConfig.from_options(pipeline_parallel_size=2).async_scheduling_on("cuda")
     assert EngineConfig.from_options(async_scheduling=True).async_scheduling_on("cpu")
+    staged = simulated_engine(SchedulerConfig(), load_cost_model("opt-13b@a100-40gb:pp2"), kv_cache_blocks=64)
+    staged.set_async_scheduling(False)  # its stages keep their plans in flight
+    assert staged.stages == staged.max_in_flight == 2
+    with pytest.raises(ValueError, match="one pipeline stage"):
+        staged.set_async_scheduling(True)
 
 
 # ---- a real model --------------------------------------------------------------------------------

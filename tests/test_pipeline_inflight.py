@@ -64,11 +64,18 @@ class PipelinedExecutor:
         pass
 
 
-def _pipelined(policy: str, mode: str, depth: int, device: int, host: int) -> tuple[Engine, PipelinedExecutor]:
+def small_engine(policy: str, mode: str, device: int, host: int) -> Engine:
+    """A simulated engine with small batches and pools (4-token blocks), every step taken alone
+    (no fast-forward); tests/test_async_scheduling.py uses it too."""
     cfg = SchedulerConfig(policy=policy, preemption=mode, max_batch_size=3, max_tokens_per_step=48,
                           starvation_limit_s=0.05)
     eng = simulated_engine(cfg, COST, kv_cache_blocks=device, block_size=4, host_kv_blocks=host)
     eng.fast_forward = False
+    return eng
+
+
+def _pipelined(policy: str, mode: str, depth: int, device: int, host: int) -> tuple[Engine, PipelinedExecutor]:
+    eng = small_engine(policy, mode, device, host)
     ex = PipelinedExecutor(depth, eng.scheduler)
     eng.executor, eng.max_in_flight = ex, depth
     return eng, ex

@@ -77,13 +77,9 @@ class Engine:
         self.detokenize = True
         self._text = OutputProcessor(tokenizer, self._stop) if tokenizer is not None else None
         self.step_trace: StepTraceWriter | None = None  # --step-trace: one record per real step
-        # Async scheduling: step n+1 is planned and submitted before step n's tokens are back,
-        # its requests planned past their pending token (the executor fills it in), so the
-        # device never waits for the host's planning and output work (vLLM's async scheduling).
-        self.async_scheduling = async_scheduling
-        scheduler.plan_ahead = async_scheduling
-        self.max_in_flight = 2 if async_scheduling else max_in_flight
+        self.stages = max_in_flight  # pipeline stages: plans in flight without async scheduling
         self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
+        self._plan_ahead(async_scheduling)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -129,13 +125,23 @@ class Engine:
         submitted ahead (the worker executors)."""
         if self._pipe:
             raise RuntimeError("set_async_scheduling with plans in flight")
-        if on and self.max_in_flight > 1 and not self.async_scheduling:
+        if on and self.stages > 1:
             raise ValueError("async scheduling needs one pipeline stage")
         set_overlap = getattr(self.executor, "set_overlap", None)
         if set_overlap is not None:
             set_overlap(on)
-        self.async_scheduling = self.scheduler.plan_ahead = on
-        self.max_in_flight = 2 if on else 1
+        self._plan_ahead(on)
+
+    def _plan_ahead(self, on: bool) -> None:
+        """Async scheduling: step n+1 is planned and submitted before step n's tokens are back,
+        its requests planned past their pending token (the executor fills it in), so the device
+        never waits for the host's planning and output work (vLLM's async scheduling)."""
+        self.scheduler.plan_ahead = on
+        self.max_in_flight = 2 if on else self.stages
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.scheduler.plan_ahead
 
     def close(self) -> None:
         """Release executor resources (transfer threads) and the length predictor. Idempotent."""

@@ -201,7 +201,7 @@ class ModelRunner:
         result.transfer_durations = {rid: self._async_seconds.pop(rid) for rid in done if rid in self._async_seconds}
         result.transfers_done = done
         result.step_seconds = time.perf_counter() - t0
-        self._last_sampled = dict(result.sampled)  # the pipeline's answering rank clears result.sampled
+        self._last_sampled = dict(result.sampled)  # a rank that does not answer empties result.sampled
         return result
 
     def fill_pending(self, plan: StepPlan) -> None:
