@@ -3,6 +3,7 @@ for sampled and prompt tokens, across chunked prefill, preemption with recompute
 prefix-cache hits; max_tokens=0 computes only the prompt."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -148,3 +149,45 @@ def test_tensor_parallel_reports_the_same_logprobs(reference):
     with LLM(str(STORIES), dtype="float32", tensor_parallel_size=2) as llm:
         out = llm.generate([LONG[2]], ASK)[0]
     _check(reference, LONG[2], out.token_ids, out.logprobs, out.prompt_logprobs)
+
+
+def test_a_quantized_head_still_gives_float32_logprobs(reference):
+    """An int8 head's logits are bfloat16 (model/quant.py): logprobs come from the file's own head
+    weights in float32 instead, so they are never rounded to bfloat16's 1/64 steps."""
+    from tokenslice.config import ModelConfig
+    from tokenslice.model.loader import load_model
+    from tokenslice.model.logprobs import float32_logits
+    from tokenslice.model.quant import QuantizedLinear
+
+    loaded = load_model(ModelConfig(str(STORIES), quantization="int8", device="cpu"), with_tokenizer=False)
+    model = loaded.model
+    assert isinstance(model.lm_head, QuantizedLinear)
+    ref_head = AutoModelForCausalLM.from_pretrained(str(STORIES), dtype=torch.float32).lm_head.weight.detach()
+    assert torch.equal(model.exact_head_weight, ref_head)
+    hidden = torch.randn(5, ref_head.shape[1], generator=torch.Generator().manual_seed(0))
+    rounded = model.compute_logits(hidden).float()
+    assert torch.equal(rounded, rounded.bfloat16().float())  # what sampling uses: bf16 values
+    exact = float32_logits(model, hidden)
+    assert exact.dtype == torch.float32
+    assert torch.allclose(exact, hidden @ ref_head.T, atol=1e-5, rtol=0)
+    assert not torch.equal(exact, exact.bfloat16().float())
+    # A float32 model keeps no copy: its head's logits are float32 already.
+    plain = load_model(ModelConfig(str(STORIES), quantization="none", device="cpu"), with_tokenizer=False).model
+    assert getattr(plain, "exact_head_weight", None) is None
+
+
+def test_quantized_logprobs_on_the_engine_come_from_the_float32_head():
+    """Through the engine, an int8 model's sampled and prompt logprobs are each row's float32
+    log-softmax (top-k sorted, sampled token's own value among them); tokens unchanged by asking."""
+    prompt = LONG[0][:20]
+    plain = dataclasses.replace(ASK, logprobs=None, prompt_logprobs=None)
+    with LLM(str(STORIES), quantization="int8", device="cpu") as llm:
+        want = llm.generate([prompt], plain)[0].token_ids
+        out = llm.generate([prompt], ASK)[0]
+    assert out.token_ids == want
+    for lps in (out.logprobs, out.prompt_logprobs):
+        for i, lp in enumerate(lps.logprobs):
+            tops = lps.top_logprobs[i]
+            assert tops == sorted(tops, reverse=True) and sum(torch.tensor(tops).exp()) <= 1 + 1e-6
+            assert lp <= tops[0] + 1e-6
+    assert out.logprobs.token_ids == want

@@ -18,8 +18,8 @@ from tokenslice.config import ModelConfig
 from tokenslice.model.arch import ArchConfig, ModelLoadError, parse_config
 from tokenslice.model.layers import onednn_packs_linears, use_input_major_linears
 from tokenslice.model.builtin import BUILTIN_SEED, BUILTIN_TINY, builtin_config, builtin_tokenizer
-from tokenslice.model.gguf import gguf_arch, gguf_tokenizer, gguf_weights, is_gguf, open_gguf
-from tokenslice.model.known_models import resolve_model
+from tokenslice.model.gguf import check_requantization, gguf_arch, gguf_tokenizer, gguf_weights, is_gguf, open_gguf
+from tokenslice.model.known_models import check_model_source, check_tokenizer_source, resolve_model
 from tokenslice.model.llama import LlamaForCausalLM
 from tokenslice.model.opt import OPTForCausalLM
 from tokenslice.model.pp import PPStage
@@ -84,14 +84,19 @@ def build_model(arch: ArchConfig) -> nn.Module:
     return OPTForCausalLM(arch) if arch.family == "opt" else LlamaForCausalLM(arch)
 
 
+def parameter_count(arch: ArchConfig) -> int:
+    """The model's parameters (a tied head once), counted on a meta-device build of its architecture:
+    the loaded module's own undercount a quantized model, whose linears keep packed buffers instead."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(arch).parameters())
+
+
 def load_arch(cfg: ModelConfig) -> ArchConfig:
     """The checkpoint's config.json (a GGUF file's metadata, the built-in model's), without its weights."""
     if cfg.model == BUILTIN_TINY:
         return parse_config(builtin_config(), BUILTIN_TINY)
+    check_model_source(cfg.model, "model")
     path = Path(resolve_model(cfg.model))
-    if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist (a local directory, a .gguf file, "
-                             f"a known model's name or {BUILTIN_TINY!r})")
     if is_gguf(path):
         return gguf_arch(open_gguf(path), path)
     if not path.is_dir():
@@ -117,6 +122,8 @@ def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer
     sees only its own GPU, as cuda:0)."""
     path = Path(resolve_model(cfg.model))
     reader = open_gguf(path) if is_gguf(path) else None  # opened once: its metadata takes a second to parse
+    if reader is not None and cfg.quantization in ("int8", "int4"):
+        check_requantization(reader, path, cfg.quantization)
     arch = gguf_arch(reader, path) if reader is not None else load_arch(cfg)
     shard = TPShard(arch, rank, tp_size) if tp_size > 1 else None
     distributed = shard is not None or stage is not None
@@ -186,13 +193,18 @@ def _finalize(model: nn.Module, device: torch.device, dtype: torch.dtype,
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if hasattr(model, "fuse"):
         model.fuse()
+    head = getattr(model, "lm_head", None)
+    # The head's own weights, kept for float32 logprobs when its logits are not float32 (a quantized
+    # head, a bf16 model); a tied head's are the embedding table's, which stays: no extra memory.
+    head_weight = head.weight.detach() if type(head) is nn.Linear else None
     if device.type == "cpu":
         # A head tied to the embedding stays as is: transposing it would duplicate the table.
-        head = model.lm_head
         tied = {id(head.weight)} if model.arch.tie_word_embeddings and head is not None else set()
         if quantization:
             _quantize(model, quantization)
         use_input_major_linears(model, tied, onednn_packs_linears(dtype))
+    if head_weight is not None and (model.lm_head is not head or dtype != torch.float32):
+        model.exact_head_weight = head_weight
     return model
 
 
@@ -213,6 +225,8 @@ def model_tokenizer(cfg: ModelConfig, arch: ArchConfig) -> Any:
     """The model's tokenizer (--tokenizer, else the model directory's or GGUF file's), checked
     against its vocabulary."""
     source = cfg.tokenizer or str(Path(cfg.model))
+    if cfg.tokenizer:
+        check_tokenizer_source(cfg.tokenizer, "tokenizer")
     tokenizer = load_tokenizer(source)
     if cfg.model != BUILTIN_TINY:
         check_vocab(tokenizer, arch, source, str(Path(cfg.model)))

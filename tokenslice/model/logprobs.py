@@ -10,10 +10,28 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from tokenslice.request import TokenLogprobs
 
 PROMPT_ROWS_PER_CHUNK = 256  # x vocab x 4 bytes of fp32 logits at a time (32 MiB at a 32k vocab)
+# Vocabulary rows of a bf16/fp16 head upcast at a time for float32 logits (64 MiB at hidden 2048).
+HEAD_ROWS_PER_CHUNK = 8192
+
+
+def float32_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits in float32 from the head's own weights, for logprobs: a quantized head or a bf16
+    one rounds its logits (bf16 keeps 8 bits: log-likelihoods move in steps of 1/64). The loader
+    keeps `exact_head_weight` only where the head's logits are not float32 already."""
+    weight = getattr(model, "exact_head_weight", None)
+    if weight is None:
+        return model.compute_logits(hidden).float()
+    h = hidden.float()
+    if weight.dtype == torch.float32:
+        return F.linear(h, weight)
+    return torch.cat([F.linear(h, weight[i:i + HEAD_ROWS_PER_CHUNK].float())
+                      for i in range(0, weight.shape[0], HEAD_ROWS_PER_CHUNK)], dim=1)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int],

@@ -33,7 +33,7 @@ from tokenslice.model.input_batch import DecodeBatch, decode_inputs
 from tokenslice.model.kv_quant import QuantizedBlocks, dequantize_blocks, quantize_blocks, quantized_block_bytes
 from tokenslice.model.llama import HiddenCapture
 from tokenslice.model.loader import LoadedModel
-from tokenslice.model.logprobs import prompt_logprobs, token_logprobs
+from tokenslice.model.logprobs import float32_logits, prompt_logprobs, token_logprobs
 from tokenslice.model.pp import StagePipe
 from tokenslice.model.sampler import Sampler
 from tokenslice.model.transfer import TransferEngine
@@ -222,8 +222,12 @@ class ModelRunner:
         dec = self.batch.update(plan.decode, bool(plan.swap_in)) if self.batch is not None else decode_inputs(plan.decode)
         hidden = logits = None
         # One token per slice, each sampling and no prompt logprobs (a 1-token prompt chunk also
-        # counts as decode): logits of every row, nothing to select.
-        every_row = not plan.prefill and all(s.sample and not s.prompt_logprob_targets for s in plan.decode)
+        # counts as decode): logits of every row, nothing to select. Logprobs from a head whose
+        # logits are not float32 need the hidden states, which compiled steps do not return.
+        exact_head = getattr(self.model, "exact_head_weight", None) is not None
+        every_row = not plan.prefill and all(
+            s.sample and not s.prompt_logprob_targets and not (exact_head and s.params.logprobs is not None)
+            for s in plan.decode)
         capture = self._hidden_capture(plan)
         if self.compiled is not None and every_row:  # compiled code returns logits (and captures) only
             self.prep_seconds += time.perf_counter() - t0
@@ -257,7 +261,7 @@ class ModelRunner:
                     rows = range(end + s.prompt_logprob_offset, end + s.prompt_logprob_offset + len(s.prompt_logprob_targets))
                     result.prompt_logprobs[s.request_id] = prompt_logprobs(
                         hidden, list(rows), s.prompt_logprob_targets, s.params.prompt_logprobs or 0,
-                        self.model.compute_logits)
+                        self._float32_logits)
                 end += s.num_tokens
                 if s.sample:
                     last.append(end - 1)
@@ -270,8 +274,12 @@ class ModelRunner:
             sampling = slices
         logits = (self.model.compute_logits(hidden) if logits is None else logits).float()
         asks = [i for i, s in enumerate(sampling) if s.params.logprobs is not None]
-        # Raw logits, copied before the sampler processes them in place.
-        raw = logits[torch.tensor(asks, device=self.device)] if asks else None
+        # Raw logits, copied before the sampler processes them in place (float32 ones, from the
+        # hidden states, where the head rounds its own).
+        raw = None
+        if asks:
+            at = torch.tensor(asks, device=self.device)
+            raw = self._float32_logits(hidden[at]) if exact_head and hidden is not None else logits[at]
         tokens = self.sampler.sample(logits, sampling)
         result.sampled.update(zip([s.request_id for s in sampling], tokens, strict=True))
         if raw is not None:
@@ -437,7 +445,10 @@ class ModelRunner:
         ids = [t for s in slices for t in s.token_ids]
         meta = build_metadata(plan.decode, plan.prefill, self.block_size, self.device, self.attention_backend)
         hidden = self.model(torch.tensor(ids, device=self.device), meta, self.kv)
-        return self.model.compute_logits(hidden).float()
+        return self._float32_logits(hidden)
+
+    def _float32_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return float32_logits(self.model, hidden)
 
     @torch.inference_mode()
     def prompt_hidden(self, plan: StepPlan, layer: int, rows: list[int]) -> torch.Tensor:
