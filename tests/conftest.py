@@ -1,6 +1,7 @@
 """Shared fixtures: paths into ../shared and tiny random checkpoints built with transformers."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -48,3 +49,12 @@ def stories_llm():
     from tokenslice import LLM
 
     return LLM(str(STORIES))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What servers learn across restarts (srpt-predicted's length heads) goes to a directory of
+    the test session, never the user's own (servers the tests start inherit it)."""
+    path = tmp_path_factory.mktemp("state")
+    os.environ["XDG_STATE_HOME"] = str(path)
+    return path

@@ -4,6 +4,7 @@ forward computes, the head learns online, refinement keeps to its budget, srpt-p
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,7 @@ def fitted_head(layer: int, hidden: int, refine_every: int = 4, budget_s: float 
     head.add(rng.normal(size=(n, hidden)), rng.integers(1, 50, n), rng.integers(0, 30, n), rng.integers(1, 200, n),
              rng.normal(size=(n, hidden)))
     assert head.fit()
+    head.answers = head.config.min_answers  # as if fitted on enough answers: it predicts
     return head
 
 
@@ -131,6 +133,7 @@ def test_refinements_read_the_prompt_state_captured_at_prefill(tmp_path: Path) -
     gen = rng.integers(0, 64, 400)
     head.add(rng.normal(size=(400, dim)), np.full(400, 10), gen, np.expm1(5 + prompts @ w) - gen, prompts)
     head.fit()
+    head.answers = head.config.min_answers
     with pytest.raises(ValueError, match="prompt_hidden"):
         head.predict_log(prompts[:2], [10, 10], [0, 8])
     refiner = SelfRefiner(head)
@@ -332,3 +335,67 @@ def test_build_self_fits_a_head_on_recorded_states_and_the_engine_reads_it(tmp_p
     assert spearman_at(head, rows.where(rows.split == "test"), 0)["all"]["spearman"] > 0.9
     assert main(args) == 2  # a head is there already
     assert main(args[:5] + ["7"] + args[6:]) == 2  # no states of that layer
+
+
+def test_srpt_predicted_learns_a_head_from_empty_and_ranks_like_skip_join_until_then(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --length-predictor: srpt-predicted gets the model's own head in the state directory,
+    empty for a model the package has no head for. It ranks like skip-join-mlfq while the head
+    learns from finished answers, predicts once it has seen min_answers, and the next start finds
+    what it learned (owner-only files)."""
+    import functools
+
+    import tokenslice.predict.online as online
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    # A fresh head that predicts after 4 answers (the default waits for 64).
+    monkeypatch.setattr(online, "SelfHeadConfig", functools.partial(SelfHeadConfig, min_answers=4, refit_every=2))
+    prompts = [[1] + [random.Random(i).randrange(3, 500) for _ in range(6)] for i in range(6)]
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(6)]
+    with LLM(str(STORIES), dtype="float32", policy="srpt-predicted") as llm:
+        eng = llm.engine
+        assert eng.lengths is not None and eng.lengths.kind == "self" and not eng.lengths.ready
+        policy = eng.scheduler.policy
+        assert policy.warmup is not None and eng.state()["queues"]["warmup_for"] == "srpt-predicted"
+        req = eng.add_request(prompts[0], params[0])
+        assert req.predicted_output_tokens is None  # nothing predicted while the head learns
+        while eng.has_unfinished():
+            eng.step()
+        for p, sp in zip(prompts[1:4], params[1:4]):
+            llm.generate([p], sp)
+        head = eng.lengths.refiner.head
+        assert head.answers == 4 and head.trained and eng.lengths.ready
+        assert policy.warmup is None  # srpt-predicted ranks by the head's predictions from now on
+        out = eng.add_request(prompts[4], params[4])
+        eng.step()
+        assert out.predicted_output_tokens is not None
+        while eng.has_unfinished():
+            eng.step()
+    saved = list((tmp_path / "tokenslice" / "length").glob("*/self_head.npz"))
+    assert len(saved) == 1 and saved[0].stat().st_mode & 0o077 == 0
+    assert saved[0].parent.stat().st_mode & 0o077 == 0
+    with LLM(str(STORIES), dtype="float32", policy="srpt-predicted") as again:
+        assert again.engine.lengths.ready and again.engine.scheduler.policy.warmup is None
+        assert again.engine.lengths.refiner.head.answers == 5
+    with LLM(str(STORIES), dtype="float32", policy="srpt-predicted", length_predictor="none") as none:
+        assert none.engine.lengths is None
+
+
+def test_a_shipped_head_is_a_prior_that_refits_pull_towards(tmp_path: Path) -> None:
+    """A head saved without its sums (what the package ships) predicts as fitted; refits on a few
+    new answers adjust its weights rather than replace them with a fit of those answers alone."""
+    rng = np.random.default_rng(3)
+    dim = 8
+    head = fitted_head(layer=0, hidden=dim)
+    head.save(tmp_path / "prior.npz", sums=False)
+    assert (tmp_path / "prior.npz").stat().st_size < 8192
+    shipped = SelfLengthHead.load(tmp_path / "prior.npz")
+    assert shipped.ready and shipped.n == 0 and np.array_equal(shipped.weights, head.weights)
+    x = rng.normal(size=(3, dim))
+    assert np.allclose(shipped.predict_log(x, [5] * 3, [0] * 3), head.predict_log(x, [5] * 3, [0] * 3))
+    shipped.add(rng.normal(size=(6, dim)), rng.integers(1, 50, 6), np.zeros(6), rng.integers(1, 200, 6))
+    shipped.fit()
+    alone = SelfLengthHead(shipped.config)
+    alone.n, alone.sx, alone.sxx, alone.sy, alone.sxy = shipped.n, shipped.sx, shipped.sxx, shipped.sy, shipped.sxy
+    alone.fit()
+    assert np.linalg.norm(shipped.weights - head.weights) < np.linalg.norm(alone.weights - head.weights)

@@ -173,10 +173,12 @@ class SchedulerConfig:
     # longest jobs; under Poisson and CV 2 the two differ by <= 3% on the mean.
     srpt_aging: float = 0.01
     # Output-length predictor directory (`tokenslice predictor build`; ALISE §3.1) that
-    # srpt-predicted consults on arrival. None: no predictor. Its files choose the kind
-    # (predict/online.py): an embedding predictor, a self length head on the model's own hidden
-    # states (`predictor build-self`, refined while decoding), or both.
-    length_predictor: str | None = None
+    # srpt-predicted consults on arrival. Its files choose the kind (predict/online.py): an
+    # embedding predictor, a self length head on the model's own hidden states (`predictor
+    # build-self`, refined while decoding), or both. "auto": for srpt-predicted, the served
+    # model's own self head in the state directory, from the package's head for a known model,
+    # else learning online from empty (predict/online.py auto_predictor_dir). None or "none": none.
+    length_predictor: str | None = "auto"
     # Append each refined prediction (request id, output tokens, predicted total) to this JSON
     # lines file, for the simulator to replay (predict/recorded.py). None: not recorded.
     length_predictor_record: str | None = None

@@ -68,6 +68,7 @@ def fit_head(rows: StateRows, config: SelfHeadConfig) -> SelfLengthHead:
                  rows.prompt_hidden[part])
     if not head.fit():
         raise ValueError("too few rows to fit a self length head")
+    head.answers = len(np.unique(rows.ids))
     return head
 
 

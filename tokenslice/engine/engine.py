@@ -27,11 +27,12 @@ from tokenslice.exec.base import Executor
 from tokenslice.exec.factory import start_model
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import load_cost_model
-from tokenslice.predict.online import OnlineLengthPredictor
+from tokenslice.predict.online import OnlineLengthPredictor, auto_predictor_dir
 from tokenslice.request import CompletionOutput, EngineRequest, Request, RequestOutput, SamplingParams, TokenLogprobs
-from tokenslice.sched.registry import PREEMPTION_STRATEGIES
+from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler, build_scheduler
 from tokenslice.sched.snapshot import snapshot
+from tokenslice.sched.speculative import SpeculativeSRPTPolicy
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +109,19 @@ class Engine:
                 engine.step_trace = StepTraceWriter(config.step_trace)
             if side.runner is not None:  # the model in this process (tests and benchmarks read it)
                 engine.runner = side.runner
-            if config.scheduler.length_predictor:
+            predictor = config.scheduler.length_predictor
+            if predictor == "auto":
+                predictor = (str(auto_predictor_dir(side.name, side.arch.hidden_size, side.arch.num_layers))
+                             if config.scheduler.policy == "srpt-predicted" else None)
+            if predictor and predictor != "none":
                 engine.lengths = OnlineLengthPredictor.load(
-                    config.scheduler.length_predictor, side.tokenizer,
+                    predictor, side.tokenizer,
                     store_text=config.scheduler.length_predictor_store_text,
                     hidden_size=side.arch.hidden_size, num_layers=side.arch.num_layers,
                     record=config.scheduler.length_predictor_record)
+                policy = scheduler.policy
+                if isinstance(policy, SpeculativeSRPTPolicy) and not engine.lengths.ready:
+                    policy.start_warmup(make_policy("skip-join-mlfq", policy.ctx))
             return engine
         except BaseException:
             side.executor.close()
@@ -241,8 +249,17 @@ class Engine:
         for req in stopped:
             self._text.forget(req.request_id)
         if self.lengths is not None and stopped:
-            self.lengths.observe(stopped)
+            self._observe_lengths(stopped)
         return delivered
+
+    def _observe_lengths(self, finished: list[Request]) -> None:
+        """The length predictor learns from finished requests; once its self head has seen enough
+        answers, srpt-predicted ranks by its predictions instead of skip-join-mlfq's queues."""
+        assert self.lengths is not None
+        self.lengths.observe(finished)
+        policy = self.scheduler.policy
+        if isinstance(policy, SpeculativeSRPTPolicy) and policy.warmup is not None and self.lengths.ready:
+            policy.end_warmup()
 
     def _stop(self, request_id: str) -> None:
         """A stop string ended the request: free its KV now (its output already says "stop")."""
@@ -349,7 +366,7 @@ class Engine:
                     pending.setdefault(rid, TokenLogprobs()).extend(lp)
         finished = self.scheduler.take_finished()
         if self.lengths is not None and finished:
-            self.lengths.observe(finished)
+            self._observe_lengths(finished)
         t3 = time.perf_counter()
         self.timings.schedule_s += t1 - t0
         self.timings.execute_s += t2 - t1

@@ -13,14 +13,17 @@ holds decides the kind:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tokenslice.plan import StepPlan
-from tokenslice.predict.self_head import SELF_HEAD_FILE, SelfLengthHead
+from tokenslice.predict.self_head import SELF_HEAD_FILE, SelfHeadConfig, SelfLengthHead
 from tokenslice.predict.self_refine import SelfRefiner
 from tokenslice.request import Request
 
@@ -30,6 +33,39 @@ EMBED_FILE = "predictor.json"
 # is short next to an answer, its KV is kept, and one step later the request has its real rank.
 UNTIL_PREFILL = 1
 LENGTH_PREDICTOR_KINDS = ("embed", "self", "both")
+
+
+# Self length heads that ship with the package, by known model name: fitted on the model's own
+# answers (benchmarks/length/ship_head.py rebuilds them), weights only (a few KB).
+SHIPPED_HEADS = Path(__file__).resolve().parent / "heads"
+
+
+def state_dir() -> Path:
+    """Where the server keeps what it learns across restarts: $XDG_STATE_HOME/tokenslice
+    (~/.local/state/tokenslice)."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "tokenslice"
+
+
+def auto_predictor_dir(model_name: str, hidden_size: int, num_layers: int) -> Path:
+    """srpt-predicted with `--length-predictor auto` (the default): the served model's self length
+    head in the state directory (owner-only), kept across restarts. Created from the package's head
+    for a known model, else empty: it learns from the answers the server finishes and predicts
+    once it has seen min_answers of them (until then srpt-predicted ranks like skip-join-mlfq)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(model_name).name)[:64] or "model"
+    digest = hashlib.sha1(model_name.encode()).hexdigest()[:8]  # two paths with one file name differ
+    path = state_dir() / "length" / f"{safe}-{digest}"
+    head_file = path / SELF_HEAD_FILE
+    if head_file.is_file():
+        return path
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    shipped = SHIPPED_HEADS / f"{model_name.lower()}.npz"
+    if shipped.is_file():
+        head = SelfLengthHead.load(shipped)
+    else:  # the middle layer: what the served chat model's own lengths chose (benchmarks/length/)
+        head = SelfLengthHead(SelfHeadConfig(layer=num_layers // 2, hidden_size=hidden_size))
+    head.save(head_file)
+    return path
 
 
 def predictor_kind(path: str | Path) -> str:
@@ -78,6 +114,11 @@ class OnlineLengthPredictor:
         return cls(predictor, tokenizer, refiner, record)
 
     @property
+    def ready(self) -> bool:
+        """Whether its predictions are used: a self head that is still learning is not."""
+        return self.refiner is None or self.refiner.head.ready
+
+    @property
     def kind(self) -> str:
         return "both" if self.predictor and self.refiner else "self" if self.refiner else "embed"
 
@@ -87,7 +128,7 @@ class OnlineLengthPredictor:
         if self.refiner is not None:
             self.refiner.add(req.request_id, req.num_prompt_tokens)
         if self.predictor is None:
-            if req.predicted_output_tokens is None and self.refiner is not None and self.refiner.head.trained:
+            if req.predicted_output_tokens is None and self.refiner is not None and self.refiner.head.ready:
                 req.predicted_output_tokens = UNTIL_PREFILL
             return
         if text is None:

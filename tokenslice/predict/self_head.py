@@ -49,6 +49,9 @@ class SelfHeadConfig:
     blend_weight: float = 0.7
     # Rows carry the prompt's last-token state beside the latest one (False: heads saved before it).
     prompt_state: bool = True
+    # Answers a head learns from before it predicts: a head that starts empty (a model with no
+    # shipped head) only learns until then, and srpt-predicted ranks like skip-join-mlfq.
+    min_answers: int = 64
 
 
 class SelfLengthHead:
@@ -65,6 +68,10 @@ class SelfLengthHead:
         self.weights: np.ndarray | None = None  # [d] on raw features
         self.bias = 0.0
         self.rows_since_fit = 0
+        self.answers = 0  # finished requests whose rows it learned from
+        # Weights a shipped head was fitted to offline (its sums are not shipped): refits pull
+        # towards them instead of towards zero, so a deployment's few answers adjust, not replace.
+        self.prior: np.ndarray | None = None
 
     def features(self, hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray,
                  prompt_hidden: np.ndarray | None = None) -> np.ndarray:
@@ -110,6 +117,8 @@ class SelfLengthHead:
         sd = np.sqrt(np.maximum(np.diag(cov), 1e-12))
         scaled = cov / np.outer(sd, sd)
         cy = (self.sxy / n - mu * ybar) / sd
+        if self.prior is not None:  # ridge around the prior (in standardised units)
+            cy = cy + self.config.ridge * self.prior * sd
         w = np.linalg.solve(scaled + self.config.ridge * np.eye(len(mu)), cy) / sd
         self.weights, self.bias = w, float(ybar - mu @ w)
         self.rows_since_fit = 0
@@ -118,6 +127,11 @@ class SelfLengthHead:
     @property
     def trained(self) -> bool:
         return self.weights is not None
+
+    @property
+    def ready(self) -> bool:
+        """Fitted on at least min_answers answers: its predictions are used."""
+        return self.trained and self.answers >= self.config.min_answers
 
     def predict_log(self, hidden: np.ndarray, prompt_tokens: np.ndarray, generated: np.ndarray,
                     prompt_hidden: np.ndarray | None = None) -> np.ndarray:
@@ -132,13 +146,19 @@ class SelfLengthHead:
         return np.maximum(np.expm1(log), 1.0)
 
     # ---- persistence ----------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, sums: bool = True) -> None:
+        """`sums=False`: the fitted weights alone, as the prior of a head that learns on (a
+        shipped head: KBs instead of the (dim)^2 sums)."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp.npz")
-        arrays = {"n": np.array(self.n), "sx": self.sx, "sxx": self.sxx, "sy": np.array(self.sy), "sxy": self.sxy,
-                  "config": np.array(json.dumps(asdict(self.config)))}
+        arrays = {"answers": np.array(self.answers), "config": np.array(json.dumps(asdict(self.config)))}
+        if sums:
+            arrays |= {"n": np.array(self.n), "sx": self.sx, "sxx": self.sxx, "sy": np.array(self.sy), "sxy": self.sxy}
         if self.weights is not None:
             arrays |= {"weights": self.weights, "bias": np.array(self.bias)}
+        prior = self.prior if sums else self.weights
+        if prior is not None:
+            arrays["prior"] = prior
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE), "wb") as f:
             np.savez(f, **arrays)
             f.flush()
@@ -151,10 +171,15 @@ class SelfLengthHead:
             config = json.loads(str(data["config"]))
             config.setdefault("prompt_state", False)  # saved before heads read the prompt's state
             head = cls(SelfHeadConfig(**config))
-            head.n, head.sy = float(data["n"]), float(data["sy"])
-            head.sx, head.sxx, head.sxy = data["sx"].copy(), data["sxx"].copy(), data["sxy"].copy()
+            # Heads saved before answers were counted were fitted offline on enough of them.
+            head.answers = int(data["answers"]) if "answers" in data else head.config.min_answers
+            if "sxx" in data:  # else a prior alone: the sums start empty
+                head.n, head.sy = float(data["n"]), float(data["sy"])
+                head.sx, head.sxx, head.sxy = data["sx"].copy(), data["sxx"].copy(), data["sxy"].copy()
             if "weights" in data:
                 head.weights, head.bias = data["weights"].copy(), float(data["bias"])
+            if "prior" in data:
+                head.prior = data["prior"].copy()
         if not math.isfinite(head.config.budget_s) or head.config.budget_s < 0 or head.config.refine_every < 1:
             raise ValueError(f"{path}: budget_s must be finite and >= 0 and refine_every >= 1")
         return head

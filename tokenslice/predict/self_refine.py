@@ -54,10 +54,8 @@ class SelfRefiner:
         self._live[request_id] = _Live(prompt_tokens)
 
     def mark(self, plan: StepPlan) -> int:
-        """Ask this step's forward pass for the states of the requests due a prediction; returns
-        how many."""
-        if not self.head.trained:
-            return 0
+        """Ask this step's forward pass for the states of the requests due a prediction (a head
+        not ready yet reads the same states, to learn from); returns how many."""
         k = self.head.config.refine_every
         first, due = [], []
         for s in plan.slices:
@@ -95,12 +93,14 @@ class SelfRefiner:
         for rid in ids:
             if self._live[rid].predicted_at is None:  # this state is the prompt's
                 self._live[rid].prompt_state = hidden[rid]
-        prompt_states = np.asarray([self._live[rid].prompt_state for rid in ids], dtype=np.float64)
-        remaining = self.head.predict_remaining(states, prompts, done, prompt_states)
         for rid, t in zip(ids, done.tolist(), strict=True):
             live = self._live[rid]
             live.predicted_at = t
             live.rows.append((t, hidden[rid]))
+        if not self.head.ready:  # still learning: the rows are kept, nothing is predicted
+            return {}
+        prompt_states = np.asarray([self._live[rid].prompt_state for rid in ids], dtype=np.float64)
+        remaining = self.head.predict_remaining(states, prompts, done, prompt_states)
         per = (self.timer() - start) / len(ids)
         self.cost_s = per if self.cost_s == 0 else 0.9 * self.cost_s + 0.1 * per
         self.num_predictions += len(ids)
@@ -120,6 +120,7 @@ class SelfRefiner:
         gen = np.array([t for t, _ in live.rows])
         self.head.add(np.asarray([h for _, h in live.rows]), np.full(len(gen), live.prompt_tokens), gen,
                       output_tokens - gen, np.asarray([live.prompt_state] * len(gen)))
+        self.head.answers += 1
         self._finished_since_fit += 1
         if self._finished_since_fit >= self.head.config.refit_every:
             self._finished_since_fit = 0

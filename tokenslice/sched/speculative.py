@@ -57,6 +57,17 @@ class SpeculativeSRPTPolicy(Policy):
         self._finished_tokens = 0
         self._finished_count = 0
         self.num_demotions = 0
+        # Ranks instead of this policy while its length predictor still learns (start_warmup);
+        # it sees every event, so the switch finds both rankings current.
+        self.warmup: Policy | None = None
+
+    def start_warmup(self, ranking: Policy) -> None:
+        """Rank by `ranking` (skip-join-mlfq) until end_warmup: the self length head that serves the
+        predictions has not seen enough answers yet (predict/self_head.py min_answers)."""
+        self.warmup = ranking
+
+    def end_warmup(self) -> None:
+        self.warmup = None
 
     # ---- execution-time model (ALISE Eqs. 3-5) ----------------------------------------------
     def decode_sum_s(self, start_context: int, steps: int) -> float:
@@ -145,6 +156,8 @@ class SpeculativeSRPTPolicy(Policy):
         self._live[rid] = req
         self.predicted[rid] = min(max(1, round(guess)), self._cap(req))
         self._rekey(req)
+        if self.warmup is not None:
+            self.warmup.on_arrival(req, now)
 
     def on_prediction(self, req: Request, now: float) -> None:
         """The length predictor refined `req`'s predicted output (from the model's own hidden
@@ -158,6 +171,11 @@ class SpeculativeSRPTPolicy(Policy):
     def on_step(self, ran: list[Request], step_seconds: float, now: float) -> None:
         # Only jobs that ran changed (ALISE re-evaluates priorities every iteration; waiting
         # jobs' aged keys are constant, see the class doc).
+        self._charge(ran)
+        if self.warmup is not None:
+            self.warmup.on_step(ran, step_seconds, now)
+
+    def _charge(self, ran: list[Request]) -> None:
         for req in ran:
             if req.request_id in self._live:
                 self._demote(req)
@@ -166,12 +184,20 @@ class SpeculativeSRPTPolicy(Policy):
     def on_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> None:
         """Charge a run of decode steps at once: keys and predictions depend only on a job's
         tokens, so the end state is what step-by-step charging reaches."""
-        self.on_step(ran, durations[-1] if durations else 0.0, ends[-1] if ends else 0.0)
+        self._charge(ran)
+        if self.warmup is not None:
+            self.warmup.on_steps(ran, durations, ends)
+
+    def on_priority_change(self, req: Request, old_priority: int, now: float) -> None:
+        if self.warmup is not None:
+            self.warmup.on_priority_change(req, old_priority, now)
 
     def stable_steps(self, ran: list[Request], durations: list[float], ends: list[float]) -> int:
         """Steps the batch may repeat before a batch job falls behind a job outside the batch it
         was ahead of (only a demotion can do that: otherwise remaining time only shrinks). A
         change at the end of step j allows j + 1 steps."""
+        if self.warmup is not None:
+            return self.warmup.stable_steps(ran, durations, ends)
         limit = len(ends)
         batch = {r.request_id for r in ran}
         best_other = next((k for k in self._keys if k[3] not in batch), None)
@@ -195,6 +221,8 @@ class SpeculativeSRPTPolicy(Policy):
         return max(1, limit)
 
     def on_finish(self, req: Request) -> None:
+        if self.warmup is not None:
+            self.warmup.on_finish(req)
         rid = req.request_id
         if self._live.pop(rid, None) is None:
             return
@@ -206,10 +234,18 @@ class SpeculativeSRPTPolicy(Policy):
             self._finished_count += 1
 
     def ranked(self, now: float) -> Iterable[Request]:
+        if self.warmup is not None:
+            return self.warmup.ranked(now)
         return (self._live[k[3]] for k in self._keys)
 
+    def top_queue_jobs(self, k: int) -> Iterable[Request]:
+        return self.warmup.top_queue_jobs(k) if self.warmup is not None else ()
+
     def describe_queues(self) -> dict[str, Any]:
-        """Jobs by aged estimated remaining time, with their current predictions (ALISE §3.1)."""
+        """Jobs by aged estimated remaining time, with their current predictions (ALISE §3.1);
+        while the length head learns, the ranking in use (skip-join-mlfq's queues)."""
+        if self.warmup is not None:
+            return {**self.warmup.describe_queues(), "warmup_for": self.name}
         return {"kind": "srpt", "aging": self.aging,
                 "order": [{"id": k[3], "predicted_output_tokens": self.predicted[k[3]],
                            "predicted_remaining_tokens": self.predicted[k[3]] - self._live[k[3]].num_output_tokens,
@@ -219,6 +255,8 @@ class SpeculativeSRPTPolicy(Policy):
     def next_run_estimates(self, now: float) -> dict[str, float]:
         """ALISE EWT (§3.2, Eqs. 6-7): a job waits for the remaining execution time of the jobs
         ranked ahead of it, shared max_batch_size ways; the batch runs now."""
+        if self.warmup is not None:
+            return self.warmup.next_run_estimates(now)
         ranked = list(self.ranked(now))
         return queue_position_estimates(ranked, self._rem, self.ctx.max_batch_size)
 
@@ -227,6 +265,8 @@ class SpeculativeSRPTPolicy(Policy):
         keep until they finish, by predicted peak KV (prompt + predicted output). proactive-swap
         uploads only jobs within it (Scheduler._within_device_job_limit); the rest wait on host,
         and offloads take the largest EWT first. At least one, so the head always fits alone."""
+        if self.warmup is not None:
+            return self.warmup.device_job_limit(capacity_tokens, now)
         used, n = 0, 0
         for k in self._keys:
             req = self._live[k[3]]
