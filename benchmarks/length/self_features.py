@@ -37,13 +37,13 @@ CACHE = HERE / "cache"
 STATES = CACHE / "states"
 
 
-def load_answers() -> list[dict]:
+def load_answers(results: Path = RESULTS) -> list[dict]:
     """own_answers.py's records joined with their answer token ids and prompt ids."""
     toks = {}
     for line in TOKENS.read_text().splitlines():
         r = json.loads(line)
         toks[r["id"]] = r["output_token_ids"]
-    recs = [json.loads(line) for line in RESULTS.read_text().splitlines()]
+    recs = [json.loads(line) for line in results.read_text().splitlines()]
     return [r | {"output_token_ids": toks[r["id"]]} for r in recs if r["id"] in toks]
 
 
@@ -53,16 +53,17 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--answers", type=Path, default=RESULTS, help="own_answers.py's results file (its --out)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     layers = sorted(int(x) for x in a.layers.split(","))
     STATES.mkdir(parents=True, exist_ok=True)
-    answers = load_answers()
+    answers = load_answers(a.answers)
     todo = [r for r in answers if not (STATES / f"{r['id']}.npz").is_file()]
     print(f"{len(todo)} answers to compute, {len(answers) - len(todo)} already in {STATES}", flush=True)
     if todo:
         compute(todo, layers, a.every)
-    merge([r["id"] for r in answers], layers, a.out)
+    merge([r["id"] for r in answers], layers, a.out, a.answers)
 
 
 def compute(answers: list[dict], layers: list[int], every: int) -> None:
@@ -103,8 +104,8 @@ def compute(answers: list[dict], layers: list[int], every: int) -> None:
     llm.close()
 
 
-def merge(ids: list[str], layers: list[int], out: Path) -> None:
-    recs = {json.loads(line)["id"]: json.loads(line) for line in RESULTS.read_text().splitlines()}
+def merge(ids: list[str], layers: list[int], out: Path, results: Path = RESULTS) -> None:
+    recs = {json.loads(line)["id"]: json.loads(line) for line in results.read_text().splitlines()}
     feats: dict[str, list[np.ndarray]] = {}
     meta: dict[str, list[Any]] = {k: [] for k in ("id", "t", "output_tokens", "prompt_tokens", "finish_reason",
                                                    "split", "source")}
