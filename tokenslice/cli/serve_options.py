@@ -5,7 +5,9 @@ ServerSettings and uvicorn options they make."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import socket
 from typing import Any
 
 from tokenslice.config import ModelConfig
@@ -135,3 +137,33 @@ def uvicorn_options(a: argparse.Namespace) -> dict[str, Any]:
     if a.ssl_keyfile:
         out.update(ssl_keyfile=a.ssl_keyfile, ssl_certfile=a.ssl_certfile)
     return out
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Bind a test socket on every address uvicorn will listen on (asyncio's create_server: each
+    address `host` resolves to, SO_REUSEADDR, IPv6 sockets v6-only) and close it, so that a busy
+    port fails before the model loads instead of after. ValueError names the host and port."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    bound, absent = 0, None
+    for family, kind, proto, _, address in dict.fromkeys(infos):
+        shown = f"[{address[0]}]:{port}" if family == socket.AF_INET6 else f"{address[0]}:{port}"
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRNOTAVAIL:  # asyncio skips such an address (its family is not enabled)
+                    absent = shown
+                    continue
+                if e.errno == errno.EADDRINUSE:
+                    raise ValueError(f"--port {port}: {shown} is already in use (another server listens there); "
+                                     f"stop it or choose another --port") from None
+                raise ValueError(f"--host {host} --port {port}: cannot listen on {shown}: {e.strerror}") from None
+        bound += 1
+    if not bound and absent is not None:
+        raise ValueError(f"--host {host}: cannot listen on {absent}: not an address of this machine")

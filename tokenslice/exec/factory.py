@@ -45,12 +45,12 @@ def start_model(config: EngineConfig, host_tier: bool) -> ModelSide:
     t0 = time.perf_counter()
     log.info("loading the model %s (code, weights, tokenizer)", config.model.model)
     from tokenslice.exec.local import LocalExecutor
-    from tokenslice.model.loader import load_model
+    from tokenslice.model.loader import load_model, parameter_count
     from tokenslice.model.runner import ModelRunner, num_host_kv_blocks, num_kv_blocks
 
     loaded = load_model(config.model)
     log.info("model loaded in %.1f s: %s, %.0f M parameters, %s on %s", time.perf_counter() - t0,
-             loaded.arch.architecture, sum(p.numel() for p in loaded.model.parameters()) / 1e6,
+             loaded.arch.architecture, parameter_count(loaded.arch) / 1e6,
              str(loaded.dtype).removeprefix("torch."), loaded.device)
     limit = loaded.arch.max_position_embeddings
     max_len = min(config.model.max_model_len or limit, limit)

@@ -7,7 +7,8 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-BUILTIN_TINY = "builtin:tiny"
+from tokenslice.model.known_models import BUILTIN_TINY  # re-exported: the name lives with the other known names
+
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>"]
 BUILTIN_SEED = 1234
 

@@ -122,7 +122,7 @@ def load_model(cfg: ModelConfig, rank: int = 0, tp_size: int = 1, with_tokenizer
     sees only its own GPU, as cuda:0)."""
     path = Path(resolve_model(cfg.model))
     reader = open_gguf(path) if is_gguf(path) else None  # opened once: its metadata takes a second to parse
-    if reader is not None and cfg.quantization in ("int8", "int4"):
+    if reader is not None:
         check_requantization(reader, path, cfg.quantization)
     arch = gguf_arch(reader, path) if reader is not None else load_arch(cfg)
     shard = TPShard(arch, rank, tp_size) if tp_size > 1 else None
