@@ -179,10 +179,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     flag(SchedulerConfig, "starvation_limit_s",
          help="MLFQ: promote jobs waiting longer than this (default: from the SLO)")
     flag(SchedulerConfig, "slo_normalized_latency", help="s/token; informs policy defaults")
-    flag(SchedulerConfig, "length_predictor", metavar="DIR",
+    flag(SchedulerConfig, "length_predictor", metavar="DIR|auto|none",
          help="output-length predictor directory (srpt-predicted); what it holds chooses: an embedding "
               "predictor (`tokenslice predictor build`), a self length head on the model's hidden states "
-              "(`predictor build-self`, refined while decoding), or both (blended at prefill)")
+              "(`predictor build-self`, refined while decoding), or both (blended at prefill). auto: the "
+              "served model's own self head in $XDG_STATE_HOME/tokenslice/length, from the package's head "
+              "for a known model, else learning from the answers served (srpt-predicted ranks like "
+              "skip-join-mlfq until it has seen 64); none: no predictor")
     flag(SchedulerConfig, "length_predictor_store_text",
          help="also store each finished prompt's text in the predictor's history (default: only its "
               "embedding and lengths)")
