@@ -231,7 +231,10 @@ class Engine:
 
     def state(self) -> dict[str, Any]:
         """The scheduler as plain data for a live view (sched/snapshot.py): ids and counts, no text."""
-        return snapshot(self.scheduler, self.clock.now())
+        state = snapshot(self.scheduler, self.clock.now())
+        if self.lengths is not None:
+            state["length_predictor"] = self.lengths.describe()
+        return state
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -118,6 +118,14 @@ class OnlineLengthPredictor:
         """Whether its predictions are used: a self head that is still learning is not."""
         return self.refiner is None or self.refiner.head.ready
 
+    def describe(self) -> dict[str, Any]:
+        """For /v1/state: what predicts, whether its predictions are used, how much it has learned."""
+        out: dict[str, Any] = {"kind": self.kind, "ready": self.ready}
+        if self.refiner is not None:
+            out["answers"] = self.refiner.head.answers
+            out["min_answers"] = self.refiner.head.config.min_answers
+        return out
+
     @property
     def kind(self) -> str:
         return "both" if self.predictor and self.refiner else "self" if self.refiner else "embed"

@@ -79,6 +79,9 @@ def snapshot(scheduler: Scheduler, now: float) -> dict[str, Any]:
         "t": now,
         "policy": scheduler.policy.name,
         "preemption": scheduler.preemption.mode,
+        "stall_guard": {"mode": "on" if scheduler.stall_guard.timeline else "off",
+                        "max_stall_ms": None if scheduler.stall_guard.max_stall_s is None
+                        else scheduler.stall_guard.max_stall_s * 1000.0},
         "queues": scheduler.policy.describe_queues(),
         # vars(), not asdict(): the fields are scalars, and asdict's deep copy was most of a
         # 1,000-request snapshot's time (a live server takes one every 250 ms).
