@@ -29,6 +29,11 @@ EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder
 # mp (one worker process per rank, tensor- and pipeline-parallel, exec/multiproc.py), ray (one
 # Ray actor per rank, on one node or several, exec/ray_executor.py).
 EXECUTORS = ("auto", "uni", "mp", "ray")
+# The KV pool without a size (model/kv_pool.py): on CUDA this share of device memory for weights
+# and KV (vLLM's --gpu-memory-utilization default); on CPU this share of total RAM for the KV alone,
+# as a CPU decodes tens of streams, not thousands, in RAM shared with everything else.
+GPU_MEMORY_UTILIZATION = 0.9
+CPU_KV_SHARE = 0.03
 
 
 def field_from(cls: type, name: str, **changes: Any) -> Any:
@@ -102,8 +107,11 @@ class ModelConfig:
 @dataclass
 class CacheConfig:
     block_size: int = 16
-    kv_cache_blocks: int | None = None  # explicit pool size wins over the memory fraction
-    kv_memory_fraction: float = 0.25  # of free device memory (or of host RAM on CPU)
+    # Device KV pool (model/kv_pool.py): blocks, else bytes, else a fraction of total memory for
+    # weights and KV (vLLM's --gpu-memory-utilization); None: GPU_MEMORY_UTILIZATION / CPU_KV_SHARE.
+    kv_cache_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    kv_memory_fraction: float | None = None
     # Host tier for swapped-out KV (allocated only in the swap preemption modes); an explicit
     # host_kv_blocks wins over the size in GiB.
     swap_space_gb: float = 4.0
@@ -122,7 +130,9 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_blocks is not None and self.kv_cache_blocks < 1:
             raise ValueError(f"kv_cache_blocks must be >= 1, got {self.kv_cache_blocks}")
-        if not 0.0 < self.kv_memory_fraction <= 1.0:
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be >= 1 byte, got {self.kv_cache_memory}")
+        if self.kv_memory_fraction is not None and not 0.0 < self.kv_memory_fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.swap_space_gb < 0:
             raise ValueError(f"swap_space_gb must be >= 0, got {self.swap_space_gb}")

@@ -16,7 +16,7 @@ class LLM:
     config.py, where every default is written), the same settings as the CLI's engine flags:
 
     - model: tokenizer, dtype, device, max_model_len, seed, quantization, attention_backend;
-    - cache: block_size, kv_cache_blocks, kv_memory_fraction, swap_space_gb, host_kv_blocks,
+    - cache: block_size, kv_cache_blocks, kv_cache_memory, kv_memory_fraction, swap_space_gb, host_kv_blocks,
       offload_dtype;
     - scheduler: policy, preemption, max_batch_size, max_tokens_per_step, mlfq_quantum_ratio,
       mlfq_num_queues, starvation_limit_s, slo_normalized_latency, burst_reserve_jobs,

@@ -7,11 +7,13 @@ import copy
 import dataclasses
 import functools
 import json
+import re
 import typing
 from typing import Any
 
 from tokenslice.cli.vllm_flags import EnforceEager
-from tokenslice.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tokenslice.config import (CPU_KV_SHARE, GPU_MEMORY_UTILIZATION, CacheConfig, EngineConfig, ModelConfig,
+                               ParallelConfig, SchedulerConfig)
 from tokenslice.sched.registry import POLICY_NAMES
 
 
@@ -99,6 +101,18 @@ def vllm_dtype(text: str) -> str:
     return VLLM_DTYPES.get(text, text)
 
 
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """"4294967296", "4GiB", "4Gi", "4G" (10**9), "1.5GB" -> bytes (--kv-cache-memory)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
+    if m is None:
+        raise argparse.ArgumentTypeError(f"expected bytes, optionally with a unit (512MiB, 2G), got {text!r}")
+    return int(float(m.group(1)) * _BYTE_UNITS[(m.group(2) or "").lower()])
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every subcommand that builds an engine: one per engine setting, named and
     defaulted by its config field (engine_config_from_args routes them back)."""
@@ -131,10 +145,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
               "blocks in place) or sdpa (context gathered, PyTorch's SDPA)")
     flag(CacheConfig, "block_size")
     flag(CacheConfig, "kv_cache_blocks", "--num-gpu-blocks-override",
-         help="device KV blocks (overrides --kv-memory-fraction)")
+         help="device KV blocks (overrides the flags below)")
+    flag(CacheConfig, "kv_cache_memory", "--kv-cache-memory-bytes", type=byte_size, metavar="BYTES",
+         help="device KV cache size: bytes, or with a unit (512MiB, 2G); overrides --kv-memory-fraction")
     flag(CacheConfig, "kv_memory_fraction", "--gpu-memory-utilization",
-         help="share of free device memory (on CPU: of available RAM) for KV; under vLLM's name it "
-              "counts the KV cache alone, not weights and activations too")
+         help="share of total device memory (on CPU: of total RAM) for the weights and the KV cache, as vLLM's; "
+              "the KV pool is at most what --max-num-seqs requests of --max-model-len tokens use "
+              f"(default: {GPU_MEMORY_UTILIZATION} on CUDA; on CPU {CPU_KV_SHARE:.0%}% of total RAM for the KV alone)")
     flag(CacheConfig, "swap_space_gb", "--swap-space",
          help="host memory (GiB) for swapped-out KV (reactive-swap / proactive-swap)")
     flag(CacheConfig, "host_kv_blocks", help="host KV blocks (overrides --swap-space-gb)")

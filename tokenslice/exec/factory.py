@@ -46,7 +46,8 @@ def start_model(config: EngineConfig, host_tier: bool) -> ModelSide:
     log.info("loading the model %s (code, weights, tokenizer)", config.model.model)
     from tokenslice.exec.local import LocalExecutor
     from tokenslice.model.loader import load_model, parameter_count
-    from tokenslice.model.runner import ModelRunner, num_host_kv_blocks, num_kv_blocks
+    from tokenslice.model.kv_pool import kv_pool
+    from tokenslice.model.runner import ModelRunner, num_host_kv_blocks
 
     loaded = load_model(config.model)
     log.info("model loaded in %.1f s: %s, %.0f M parameters, %s on %s", time.perf_counter() - t0,
@@ -54,14 +55,15 @@ def start_model(config: EngineConfig, host_tier: bool) -> ModelSide:
              str(loaded.dtype).removeprefix("torch."), loaded.device)
     limit = loaded.arch.max_position_embeddings
     max_len = min(config.model.max_model_len or limit, limit)
-    blocks = num_kv_blocks(config.cache, loaded, max_len, config.scheduler.max_batch_size)
+    pool = kv_pool(config.cache, loaded, max_len, config.scheduler.max_batch_size)
+    blocks = pool.blocks
     host_blocks = num_host_kv_blocks(config.cache, loaded) if host_tier else 0
     runner = ModelRunner(loaded, blocks, config.cache.block_size, config.model.seed,
                          num_host_blocks=host_blocks, offload_dtype=config.cache.offload_dtype,
                          persistent_batch=config.model.persistent_batch, compile=bool(config.model.compile),
                          cuda_graphs=config.model.cuda_graphs, max_batch_size=config.scheduler.max_batch_size,
                          max_model_len=max_len, attention_backend=config.model.attention_backend,
-                         compile_in_background=bool(config.model.compile_in_background))
+                         compile_in_background=bool(config.model.compile_in_background), kv_source=pool.source)
     overlap = config.async_scheduling_on(loaded.device.type)
     return ModelSide(LocalExecutor(runner, overlap=overlap), loaded.arch, loaded.tokenizer, loaded.name, max_len,
                      blocks, host_blocks, runner.host_block_bytes, runner, overlap)

@@ -110,7 +110,8 @@ class RankWorker:
         import torch.distributed as dist
 
         from tokenslice.model.loader import rank_device
-        from tokenslice.model.runner import host_block_bytes, num_host_kv_blocks, num_kv_blocks
+        from tokenslice.model.kv_pool import kv_pool
+        from tokenslice.model.runner import host_block_bytes, num_host_kv_blocks
 
         self.spec = spec
         self.runner = None  # model.runner.ModelRunner once the sizes are known
@@ -125,8 +126,9 @@ class RankWorker:
             self.loaded, self.pipe = _load_stage(spec)
             # On CPU every rank's KV partition shares the one memory; on CUDA each has its GPU.
             sharing = spec.size if self.loaded.device.type == "cpu" else 1
+            self.pool = kv_pool(spec.cache, self.loaded, spec.max_model_len, spec.max_batch_size, sharing)
             self.capacity = Capacity(
-                kv_blocks=num_kv_blocks(spec.cache, self.loaded, spec.max_model_len, spec.max_batch_size, sharing),
+                kv_blocks=self.pool.blocks,
                 host_blocks=num_host_kv_blocks(spec.cache, self.loaded, spec.size) if spec.host_tier else 0,
                 host_block_bytes=host_block_bytes(self.loaded.arch, spec.cache.block_size, self.loaded.dtype,
                                                   spec.cache.offload_dtype))
@@ -146,7 +148,9 @@ class RankWorker:
                                   compile=bool(spec.model.compile) and spec.size == 1,
                                   cuda_graphs=spec.model.cuda_graphs and spec.size == 1,
                                   max_batch_size=spec.max_batch_size, max_model_len=spec.max_model_len,
-                                  attention_backend=spec.model.attention_backend)
+                                  attention_backend=spec.model.attention_backend,
+                                  kv_source=self.pool.source if sizes.kv_blocks == self.pool.blocks
+                                  else "the smallest rank's pool")
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.runner is None:

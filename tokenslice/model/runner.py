@@ -17,7 +17,6 @@ threads; on CUDA on side streams ordered after the compute that wrote the KV.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -52,27 +51,6 @@ def zeroed_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) 
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def num_kv_blocks(cache: CacheConfig, loaded: LoadedModel, max_model_len: int, max_batch_size: int,
-                  ranks: int = 1) -> int:
-    """Explicit --kv-cache-blocks wins; otherwise a fraction of free memory, but never more than
-    a full batch of full-length requests could use. `ranks`: tensor-parallel ranks whose KV
-    partitions (`loaded` is one) share this device's memory."""
-    if cache.kv_cache_blocks is not None:
-        return cache.kv_cache_blocks
-    elem = torch.finfo(loaded.dtype).bits // 8
-    block_bytes = cache.block_size * loaded.arch.kv_bytes_per_token // 4 * elem * ranks
-    by_memory = int(available_memory_bytes(loaded.device) * cache.kv_memory_fraction) // block_bytes
-    by_need = max_batch_size * -(-max_model_len // cache.block_size)
-    return max(1, min(by_memory, by_need))
-
-
 def host_block_bytes(arch: ArchConfig, block_size: int, dtype: torch.dtype, offload_dtype: str = "auto") -> int:
     """Bytes one KV block takes on the host tier (and moves over the link)."""
     if offload_dtype == "int8":
@@ -98,7 +76,8 @@ class ModelRunner:
                  num_host_blocks: int = 0, offload_dtype: str = "auto", transfer_threads: int = 2,
                  pipe: StagePipe | None = None, persistent_batch: bool = True, compile: bool = False,
                  cuda_graphs: bool = False, max_batch_size: int = 64, max_model_len: int = 2048,
-                 attention_backend: str = "auto", compile_in_background: bool = False) -> None:
+                 attention_backend: str = "auto", compile_in_background: bool = False,
+                 kv_source: str | None = None) -> None:
         if offload_dtype not in OFFLOAD_DTYPES:
             raise ValueError(f"offload_dtype must be one of {', '.join(OFFLOAD_DTYPES)}, got {offload_dtype!r}")
         if num_host_blocks < 0:
@@ -126,8 +105,10 @@ class ModelRunner:
         # then one slice [:, s:s+n], and each row of it is contiguous (one DMA on CUDA).
         self._kv_rows = self.kv.flatten(0, 1)
         self._host_rows = tuple(h.flatten(0, 1) for h in self.host)
-        log.info("KV cache: %d blocks of %d tokens (%.0f MiB) on %s, %d host blocks (%.0f MiB), in %.1f s",
-                 num_blocks, block_size, self.kv.nbytes / 2**20, self.device, num_host_blocks,
+        log.info("KV cache: %d blocks of %d tokens (%d tokens, %.0f MiB) on %s%s, %d host blocks (%.0f MiB), "
+                 "in %.1f s",
+                 num_blocks, block_size, num_blocks * block_size, self.kv.nbytes / 2**20, self.device,
+                 f", sized by {kv_source}" if kv_source else "", num_host_blocks,
                  sum(h.nbytes for h in self.host) / 2**20, time.perf_counter() - t0)
         self.transfer_threads = transfer_threads
         self._engine: TransferEngine | None = None  # started by the first async transfer

@@ -199,5 +199,5 @@ class VllmMetrics(Collector):
 def cache_info_labels(cache: CacheConfig) -> dict[str, str]:
     """vllm:cache_config_info's labels from the cache settings (block counts are added at scrape time)."""
     return {"block_size": str(cache.block_size), "cache_dtype": "auto",
-            "gpu_memory_utilization": str(cache.kv_memory_fraction), "swap_space": str(cache.swap_space_gb),
+            "gpu_memory_utilization": str(cache.kv_memory_fraction or "auto"), "swap_space": str(cache.swap_space_gb),
             "enable_prefix_caching": str(cache.enable_prefix_caching), "cpu_offload_dtype": cache.offload_dtype}

@@ -45,9 +45,9 @@ from tokenslice.request import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# KV pool for the grid may use at most this share of the memory available on the device: the
-# share the engine's own pool takes by default.
-KV_MEMORY_SHARE = CacheConfig.kv_memory_fraction
+# KV pool for the grid may use at most this share of the memory available on the device now
+# (the grid's largest point sizes the pool; a point past it is skipped, not an error).
+KV_MEMORY_SHARE = 0.25
 
 
 @dataclass
@@ -102,7 +102,8 @@ def run_profile(opts: ProfileOptions, progress: Callable[[int, int], None] | Non
     """Load the model, time the grid, measure transfers, fit. `progress(done, total)` per step run.
     With tensor_parallel_size > 1 the model runs sharded over worker processes (_profile_parallel)."""
     from tokenslice.model.loader import load_model
-    from tokenslice.model.runner import ModelRunner, available_memory_bytes
+    from tokenslice.model.kv_pool import available_memory_bytes
+    from tokenslice.model.runner import ModelRunner
 
     if opts.max_batch_size < 1 or opts.repeats < 1 or opts.max_tokens_per_step < 16:
         raise ValueError("profile needs max_batch_size >= 1, repeats >= 1 and max_tokens_per_step >= 16")
