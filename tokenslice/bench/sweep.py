@@ -29,6 +29,7 @@ import numpy as np
 from tokenslice.bench.client import LoadClient, RunResult
 from tokenslice.bench.client_config import ClientConfig
 from tokenslice.bench.client_record import ClientRecord
+from tokenslice.bench.compile_wait import WAIT_COMPILED_TIMEOUT_S, CompiledWait, wait_compiled
 from tokenslice.bench.server_counters import counters_as_metrics, wait_idle
 from tokenslice.bench.metrics import COUNTER_KEYS, SLO, max_rate_detail, results_file, run_entry, summarize, \
     user_summary
@@ -79,6 +80,10 @@ class BenchSpec:
     priority_update_freq: float = field_from(PriorityPattern, "update_freq")
     priority_levels: int = field_from(PriorityPattern, "levels")
     iteration_s: float | None = None
+    # Load a server only once its compiled decode is built (bench/compile_wait.py): measure compiled
+    # steps, not eager ones slowed by the compiler on the same cores.
+    wait_compiled: bool = True
+    wait_compiled_timeout_s: float = WAIT_COMPILED_TIMEOUT_S
 
     def validate(self) -> None:
         if (self.rates is None) == (self.concurrency is None):
@@ -98,6 +103,8 @@ class BenchSpec:
             raise ValueError(f"num_users must be >= 1, got {self.num_users}")
         if self.user_shares is not None:
             check_user_shares(parse_user_shares(self.user_shares), self.num_users)
+        if not self.wait_compiled_timeout_s > 0:
+            raise ValueError(f"wait_compiled_timeout_s must be positive, got {self.wait_compiled_timeout_s}")
         if self.iteration_s is not None and not self.iteration_s > 0:
             raise ValueError(f"iteration_s must be positive, got {self.iteration_s}")
         if self.priority is not None:
@@ -248,7 +255,7 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
     slo = spec.slo
     calibration: dict[str, Any] | None = None
     if spec.slo_auto:
-        with _server_url(server, client, spec.policies[0], None) as url:
+        with _server_url(spec, server, client, spec.policies[0], None) as (url, _):
             lc = LoadClient(dataclasses.replace(client, base_url=url))
             warm_up(lc, spec.warmup_requests)
             step = lc.measure_decode_step()
@@ -262,11 +269,14 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
     sweeps = [_PolicySweep(policy, spec, slo) for policy in spec.policies]
     runs: list[dict[str, Any]] = []
     server_info: dict[str, Any] = {}
+    compiled: dict[str, dict[str, Any]] = {}  # per policy: what its server said of compiled decode
 
     def connect(sweep: _PolicySweep, stack: ExitStack) -> None:
         nonlocal server_info
-        url = stack.enter_context(_server_url(server, client, sweep.policy, slo.mean_normalized_latency,
-                                              spec.policies.index(sweep.policy)))
+        url, waited = stack.enter_context(_server_url(spec, server, client, sweep.policy, slo.mean_normalized_latency,
+                                                      spec.policies.index(sweep.policy)))
+        if waited is not None:
+            compiled[sweep.policy] = {"state": waited.state, "waited_s": waited.waited_s}
         sweep.client = LoadClient(dataclasses.replace(client, base_url=url))
         server_info = sweep.client.server_info()
         warm_up(sweep.client, spec.warmup_requests)
@@ -296,7 +306,7 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
     stats = workload_stats(wl)
     workload = {"name": spec.workload, **spec.describe(), "sweep": spec.sweep,
                 "prompt_mean": stats.get("prompt_mean"), "output_mean": stats.get("output_mean"),
-                "server": {**server_info, "started_by_bench": server is not None,
+                "server": {**server_info, "started_by_bench": server is not None, "compiled_decode": compiled,
                            "model": server.model if server else server_info.get("model"),
                            "args": server.args if server else None, "threads": server.threads if server else None},
                 "client": {"endpoint": client.endpoint, "ignore_eos": client.ignore_eos,
@@ -309,13 +319,18 @@ def run_bench(spec: BenchSpec, client: ClientConfig, server: ServerSpec | None =
 
 
 @contextmanager
-def _server_url(server: ServerSpec | None, client: ClientConfig, policy: str,
-                slo_normalized_latency: float | None, index: int = 0) -> Iterator[str]:
-    if server is None:
-        yield client.base_url
-        return
-    with running_server(server, policy, slo_normalized_latency, index) as url:
-        yield url
+def _server_url(spec: BenchSpec, server: ServerSpec | None, client: ClientConfig, policy: str,
+                slo_normalized_latency: float | None, index: int = 0
+                ) -> Iterator[tuple[str, CompiledWait | None]]:
+    """The policy's server (started here with `server`, else client.base_url) once its compiled
+    decode is built (with spec.wait_compiled), and what it said of it."""
+    with ExitStack() as stack:
+        url = client.base_url if server is None else stack.enter_context(
+            running_server(server, policy, slo_normalized_latency, index))
+        waited = None
+        if spec.wait_compiled:
+            waited = wait_compiled(dataclasses.replace(client, base_url=url), spec.wait_compiled_timeout_s)
+        yield url, waited
 
 
 def warm_up(lc: LoadClient, n: int) -> None:
@@ -327,7 +342,7 @@ def warm_up(lc: LoadClient, n: int) -> None:
 
 def _measure_decode_step(server: ServerSpec | None, client: ClientConfig, spec: BenchSpec) -> float:
     """A lone request's decode step (s) on the first policy's server, after its warm-up."""
-    with _server_url(server, client, spec.policies[0], None) as url:
+    with _server_url(spec, server, client, spec.policies[0], None) as (url, _):
         lc = LoadClient(dataclasses.replace(client, base_url=url))
         warm_up(lc, spec.warmup_requests)
         return lc.measure_decode_step()

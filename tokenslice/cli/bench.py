@@ -58,7 +58,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         slo_attainment=a.slo_attainment, early_stop_factor=a.early_stop_factor or None, warmup_requests=a.warmup,
         interleave=a.interleave, num_users=a.num_users, user_shares=a.user_shares,
         priority_pattern=a.priority_pattern,
-        priority_update_freq=a.priority_update_freq, priority_levels=a.priority_levels, iteration_s=a.iteration_s)
+        priority_update_freq=a.priority_update_freq, priority_levels=a.priority_levels, iteration_s=a.iteration_s,
+        wait_compiled=a.wait_compiled, wait_compiled_timeout_s=a.wait_compiled_timeout_s)
     send_length = {"auto": a.model is not None, "on": True, "off": False}[a.expected_length]
     client = ClientConfig(base_url=a.url or "", model=a.served_model, api_key=a.api_key, endpoint=a.endpoint,
                           ignore_eos=not a.no_ignore_eos, send_expected_length=send_length,
@@ -169,6 +170,11 @@ def add_subcommand(sub: Any) -> None:
     client("history_max_chars", help="multi-turn: drop a conversation's oldest turns beyond this many characters")
     b.add_argument("--warmup", type=int, default=BenchSpec.warmup_requests,
                    help="unrecorded requests sent to each server first")
+    spec("wait_compiled", action=argparse.BooleanOptionalAction,
+         help="on by default: load each server only once /v1/state says its compiled decode is built (ready, off "
+              "or failed; servers that do not say are not waited for); --no-wait-compiled: load at once")
+    spec("wait_compiled_timeout_s", metavar="SECONDS",
+         help="give up (an error) when it is still being built after this")
     srv = b.add_argument_group("servers started with --model", "engine flags below are passed on to each "
                                "`tokenslice serve` when given; servers keep serve's default for the rest")
     for cls, name in BENCH_SERVER_FLAGS:
