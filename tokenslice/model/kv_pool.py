@@ -42,9 +42,6 @@ class KVPool:
     def nbytes(self) -> int:
         return self.blocks * self.block_bytes
 
-    def describe(self) -> str:
-        return f"{self.blocks} blocks ({self.tokens} tokens, {_mib(self.nbytes)}), sized by {self.source}"
-
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.0f} MiB"
