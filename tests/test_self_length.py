@@ -399,3 +399,17 @@ def test_a_shipped_head_is_a_prior_that_refits_pull_towards(tmp_path: Path) -> N
     alone.n, alone.sx, alone.sxx, alone.sy, alone.sxy = shipped.n, shipped.sx, shipped.sxx, shipped.sy, shipped.sxy
     alone.fit()
     assert np.linalg.norm(shipped.weights - head.weights) < np.linalg.norm(alone.weights - head.weights)
+
+
+def test_the_default_chat_model_starts_from_the_shipped_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """smollm2-135m-instruct's auto head is the package's (fitted on its own answers): ready at
+    once, a prior for what the deployment learns; another model's starts empty."""
+    from tokenslice.predict.online import SHIPPED_HEADS, auto_predictor_dir
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    shipped = SelfLengthHead.load(SHIPPED_HEADS / "smollm2-135m-instruct.npz")
+    head = SelfLengthHead.load(auto_predictor_dir("smollm2-135m-instruct", 576, 30) / SELF_HEAD_FILE)
+    assert head.ready and head.answers == shipped.answers >= head.config.min_answers
+    assert head.config.hidden_size == 576 and np.array_equal(head.prior, shipped.weights)
+    other = SelfLengthHead.load(auto_predictor_dir(str(STORIES), 64, 5) / SELF_HEAD_FILE)
+    assert not other.ready and other.answers == 0 and other.config.layer == 2

@@ -156,9 +156,8 @@ class SelfLengthHead:
             arrays |= {"n": np.array(self.n), "sx": self.sx, "sxx": self.sxx, "sy": np.array(self.sy), "sxy": self.sxy}
         if self.weights is not None:
             arrays |= {"weights": self.weights, "bias": np.array(self.bias)}
-        prior = self.prior if sums else self.weights
-        if prior is not None:
-            arrays["prior"] = prior
+        if sums and self.prior is not None:  # without sums, the weights are the prior (load)
+            arrays["prior"] = self.prior
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE), "wb") as f:
             np.savez(f, **arrays)
             f.flush()
@@ -180,6 +179,8 @@ class SelfLengthHead:
                 head.weights, head.bias = data["weights"].copy(), float(data["bias"])
             if "prior" in data:
                 head.prior = data["prior"].copy()
+            elif "sxx" not in data and head.weights is not None:
+                head.prior = head.weights.copy()
         if not math.isfinite(head.config.budget_s) or head.config.budget_s < 0 or head.config.refine_every < 1:
             raise ValueError(f"{path}: budget_s must be finite and >= 0 and refine_every >= 1")
         return head
