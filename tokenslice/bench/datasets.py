@@ -120,11 +120,20 @@ class DatasetCache:
         self._turns: dict[tuple[str, str, float], list[list[DatasetRecord]]] = {}
 
     def tokenizer(self, path: str | Path) -> Any:
-        key = str(Path(path).resolve())
-        if key not in self._tokenizers:
-            from transformers import AutoTokenizer  # heavy import: only when a dataset is tokenized
+        """A tokenizer directory's, or a known model's or GGUF file's (the one it carries)."""
+        from tokenslice.model.known_models import known_model
 
-            tok = AutoTokenizer.from_pretrained(key, local_files_only=True)
+        carried = known_model(str(path)) is not None or str(path).lower().endswith(".gguf")
+        key = str(path) if known_model(str(path)) is not None else str(Path(path).resolve())
+        if key not in self._tokenizers:
+            if carried:
+                from tokenslice.model.loader import load_tokenizer
+
+                tok = load_tokenizer(key)
+            else:
+                from transformers import AutoTokenizer  # heavy import: only when a dataset is tokenized
+
+                tok = AutoTokenizer.from_pretrained(key, local_files_only=True)
             tok.model_max_length = 1 << 62  # we count tokens, never feed a model: silence length warnings
             self._tokenizers[key] = tok
         return self._tokenizers[key]

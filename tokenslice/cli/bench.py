@@ -28,6 +28,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from tokenslice.bench.report import format_summary, format_table, plot_results
     from tokenslice.bench.run_notes import format_notes
     from tokenslice.bench.sweep import BenchSpec, ServerSpec, run_bench
+    from tokenslice.model.known_models import known_model
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would drown the table
     policies = [p.strip() for p in a.policy.split(",") if p.strip()] if a.policy else []
@@ -42,7 +43,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
             if getattr(a, name) is not None:
                 args += ["--" + name.replace("_", "-"), str(getattr(a, name))]
         server = ServerSpec(model=a.model, args=args, threads=a.server_threads, api_key=a.api_key, port=a.port)
-        if tokenizer is None and Path(a.model).is_dir():
+        if tokenizer is None and (Path(a.model).is_dir() or a.model.lower().endswith(".gguf")
+                                  or known_model(a.model) is not None):
             tokenizer = a.model  # count dataset tokens as the served model does
     else:
         policies = policies or ["server"]
