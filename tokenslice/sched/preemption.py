@@ -24,6 +24,9 @@ class Recompute:
     uses_host_tier = False
     new_work_evicts = True  # a request without KV may evict others to start
     async_swap_in = False  # the mode's own swap-in: in the step's critical path
+    # Offloads idle jobs' KV on its own (proactive-swap's burst reserve), past the anti-thrashing
+    # rule: a stream the stall guard loads then keeps running until the load is amortized.
+    offloads_idle = False
 
     def __init__(self, config: SchedulerConfig, policy: Policy, kv: KVManager, ctx: PolicyContext,
                  stats: SchedulerStats, requests: dict[str, Request], swap_block_bytes: int = 0, *,
@@ -63,9 +66,8 @@ class Recompute:
         if self._enst is None:
             enst = self.policy.next_run_estimates(self._now)
             if self.stall_guard.enabled:
-                for rid, req in self.requests.items():
-                    bound = self.stall_guard.next_run_bound(req, self._now)
-                    if bound is not None and bound < enst.get(rid, float("inf")):
+                for rid, bound in self.stall_guard.next_run_bounds(self._now).items():
+                    if bound < enst.get(rid, float("inf")):
                         enst[rid] = bound
             self._enst = enst
         return self._enst
@@ -200,8 +202,13 @@ class Recompute:
             self.preempt(req)
 
     def _swap_seconds(self, num_blocks: int) -> float:
+        """A copy's expected time: the cost model's, else the measured one (a real engine
+        without a profile), so a swap-in's anti-thrashing protection is not void there."""
         cost = self.ctx.cost
-        return cost.transfer_seconds(num_blocks * self.swap_block_bytes, 1) if cost else 0.0
+        if cost:
+            return cost.transfer_seconds(num_blocks * self.swap_block_bytes, 1)
+        measured = self.swap_in.block_seconds
+        return measured * num_blocks if measured is not None else 0.0
 
 
 class Defer(Recompute):

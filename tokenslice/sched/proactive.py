@@ -16,6 +16,7 @@ class ProactiveSwap(ReactiveSwap):
 
     mode = "proactive-swap"
     async_swap_in = True  # uploads overlap this step's compute; the job runs next step
+    offloads_idle = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -54,25 +55,31 @@ class ProactiveSwap(ReactiveSwap):
         kv = self.kv
         target = self.reserve = self.burst_reserve_blocks()
         free = kv.device.num_free + kv.device_blocks_releasing()
-        idle = [r for rid, r in self.requests.items() if rid not in chosen and kv.holds(rid) and not kv.in_flight(rid)
-                and not self.stall_guard.is_protected(rid)]
-        on_host = [r for rid, r in self.requests.items() if not kv.in_flight(rid) and kv.residency(rid) == "host"]
-        if not (free < target and idle) and not on_host:
+        if free < target:
+            idle = [r for rid, r in self.requests.items() if rid not in chosen and kv.holds(rid)
+                    and not kv.in_flight(rid) and not self.stall_guard.is_protected(rid)]
+            offloaded = False
+            if idle:
+                enst = self.next_run_estimates()
+                idle.sort(key=lambda r: enst.get(r.request_id, 0.0), reverse=True)
+                for r in idle:
+                    if free >= target:
+                        break
+                    if not kv.can_swap_out(r.request_id):
+                        break  # host full: keep the KV where it is (no proactive recompute)
+                    free += kv.num_device_blocks(r.request_id)
+                    self.move(r, "out", plan, sync=False)
+                    offloaded = True
+            if offloaded:
+                return  # memory is tight: uploading now would only be offloaded again
+        # Only a job that fits above the reserve now can be uploaded (free space only shrinks
+        # below): under pressure most plans upload nothing, and skip the ENST and the ranking.
+        room = kv.device.num_free - target
+        on_host = [r for rid, r in self.requests.items() if not kv.in_flight(rid) and kv.residency(rid) == "host"
+                   and len(kv.host_blocks(rid)) <= room]
+        if not on_host:
             return
         enst = self.next_run_estimates()
-        offloaded = False
-        if free < target and idle:
-            idle.sort(key=lambda r: enst.get(r.request_id, 0.0), reverse=True)
-            for r in idle:
-                if free >= target:
-                    break
-                if not kv.can_swap_out(r.request_id):
-                    break  # host full: keep the KV where it is (no proactive recompute)
-                free += kv.num_device_blocks(r.request_id)
-                self.move(r, "out", plan, sync=False)
-                offloaded = True
-        if offloaded or not on_host:
-            return  # memory is tight: uploading now would only be offloaded again
         on_host = self._within_device_job_limit(on_host, target, self._now)
         on_host.sort(key=lambda r: enst.get(r.request_id, 0.0))
         for r in on_host:

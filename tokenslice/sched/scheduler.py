@@ -120,7 +120,8 @@ class Scheduler:
         self._released = []
         self.preemption.begin_plan(now)
         self.kv.begin_plan()
-        self.stall_guard.begin_plan(self.requests, now)
+        self.stall_guard.begin_plan(self.requests, now, blocks=self._guarded_blocks,
+                                    kv_budget=self.kv.device.num_blocks, holding=self._load_unamortized)
         ranked = self.stall_guard.order(self.policy.ranked(now))
         seen: list[Request] = []  # ranked prefix walked so far; victims come from beyond it
         flights = self._in_flight()
@@ -140,6 +141,17 @@ class Scheduler:
         if plan.decode or plan.prefill:
             self._unsettled.append(plan)
         return plan
+
+    def _guarded_blocks(self, req: Request) -> int | None:
+        """The device blocks a started stream holds once it runs (the stall guard's KV budget),
+        or None while its KV is being copied: it cannot run this step, it runs once it landed."""
+        if self.kv.in_flight(req.request_id):
+            return None
+        return self.kv.blocks_for_tokens(req.num_tokens)
+
+    def _load_unamortized(self, req: Request) -> bool:
+        """Whether a stream the stall guard loaded is still owed service for its load."""
+        return self.preemption.guard.is_protected(req.request_id)
 
     def _in_flight(self) -> dict[str, InFlight]:
         """The requests of the plans not yet updated (none between synchronous steps)."""
@@ -224,6 +236,8 @@ class Scheduler:
                     or (hit is not None and not self._start_from_prefix(req, hit, plan))):
                 stalled.append(req)  # its KV (or cached host prefix) is copied in during this step
                 continue
+            if loads and protected and pre.offloads_idle:  # kept running until the load pays off
+                self.stall_guard.hold(rid)
             if loads or need:  # a resident request whose last block has room grows by nothing
                 kv.ensure(rid, computed + chunk)
             chosen.add(rid)
@@ -385,6 +399,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, now: float, state: RequestState) -> None:
         self.requests.pop(req.request_id, None)
         self.preemption.guard.forget(req.request_id)
+        self.stall_guard.forget(req.request_id)
         self._running.discard(req.request_id)
         self.kv.free(req.request_id)
         req.state = state
