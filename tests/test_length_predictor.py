@@ -277,7 +277,7 @@ def test_serve_flag_reaches_the_scheduler_config() -> None:
 
     args = build_parser().parse_args(["serve", "--length-predictor", "/some/dir"])
     assert engine_config_from_args(args).scheduler.length_predictor == "/some/dir"
-    assert engine_config_from_args(build_parser().parse_args(["serve"])).scheduler.length_predictor is None
+    assert engine_config_from_args(build_parser().parse_args(["serve"])).scheduler.length_predictor == "auto"
 
 
 def _max_id(path: Path) -> int:

@@ -177,7 +177,8 @@ def test_sweep_spec_takes_scheduler_defaults_from_the_config() -> None:
 
     spec = SweepSpec(workload="synthetic-lognormal", policies=["fcfs"], rates=[1.0])
     assert spec.scheduler_config("mlfq", 0.5) == SchedulerConfig(policy="mlfq", slo_normalized_latency=0.5,
-                                                                 max_batch_size=SIMULATE_MAX_BATCH_SIZE)
+                                                                 max_batch_size=SIMULATE_MAX_BATCH_SIZE,
+                                                                 length_predictor=None)
     assert (spec.block_size, spec.offload_dtype) == (CacheConfig.block_size, CacheConfig.offload_dtype)
     tuned = SweepSpec(workload="synthetic-lognormal", policies=["fcfs"], rates=[1.0], eviction_amortization=0.0,
                       mlfq_num_queues=4, length_predictor="/some/dir")

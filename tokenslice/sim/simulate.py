@@ -148,7 +148,9 @@ class SweepSpec:
         named like SchedulerConfig's), the resolved SLO, and the defaults for the rest."""
         mine = {f.name for f in dataclasses.fields(self)} - _NOT_SCHEDULER_SETTINGS
         settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig) if f.name in mine}
-        cfg = dataclasses.replace(SchedulerConfig(), policy=policy, slo_normalized_latency=slo, **settings)
+        # No engine-side length predictor: the simulator's predictions come with the workload.
+        cfg = dataclasses.replace(SchedulerConfig(), policy=policy, slo_normalized_latency=slo, length_predictor=None,
+                                  **settings)
         cfg.validate()
         return cfg
 
