@@ -82,7 +82,8 @@ def bench(dataset: str, file: Path, policies: list[str], extra: list[str]) -> li
         subprocess.run(cmd, check=True)
         runs = json.loads(out.read_text())["runs"]
     for run in runs:
-        run.pop("per_request", None)
+        per = run.pop("per_request", None) or {}
+        run["error_counts"] = per.get("error_counts")  # what failed requests said (kept: small)
     return runs
 
 
@@ -99,7 +100,8 @@ def measure(work: Path) -> dict[str, Any]:
             for run in bench(dataset, file, CANDIDATES, ["--rates", rates, "--cv", str(cv)]):
                 load = min(LOADS, key=lambda x: abs(x * rps - run["rate"]))
                 out["points"].append({"dataset": dataset, "cv": cv, "load": load, "policy": run["policy"],
-                                      "rate": run["rate"], "metrics": run["metrics"]})
+                                      "rate": run["rate"], "metrics": run["metrics"],
+                                      "error_counts": run.get("error_counts")})
                 write_json(NAME, out | {"partial": True})
     return out
 
