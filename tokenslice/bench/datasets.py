@@ -123,17 +123,11 @@ class DatasetCache:
         """A tokenizer directory's, or a known model's or GGUF file's (the one it carries)."""
         from tokenslice.model.known_models import known_model
 
-        carried = known_model(str(path)) is not None or str(path).lower().endswith(".gguf")
         key = str(path) if known_model(str(path)) is not None else str(Path(path).resolve())
         if key not in self._tokenizers:
-            if carried:
-                from tokenslice.model.loader import load_tokenizer
+            from tokenslice.model.loader import load_tokenizer  # heavy imports: only when a dataset is tokenized
 
-                tok = load_tokenizer(key)
-            else:
-                from transformers import AutoTokenizer  # heavy import: only when a dataset is tokenized
-
-                tok = AutoTokenizer.from_pretrained(key, local_files_only=True)
+            tok = load_tokenizer(key)
             tok.model_max_length = 1 << 62  # we count tokens, never feed a model: silence length warnings
             self._tokenizers[key] = tok
         return self._tokenizers[key]

@@ -84,6 +84,8 @@ class ModelRunner:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         a = loaded.arch
         self.model = loaded.model
+        # The loader kept the head's own weights where its logits are not float32 (logprobs need them).
+        self.exact_head = getattr(self.model, "exact_head_weight", None) is not None
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.block_size = block_size
@@ -205,9 +207,8 @@ class ModelRunner:
         # One token per slice, each sampling and no prompt logprobs (a 1-token prompt chunk also
         # counts as decode): logits of every row, nothing to select. Logprobs from a head whose
         # logits are not float32 need the hidden states, which compiled steps do not return.
-        exact_head = getattr(self.model, "exact_head_weight", None) is not None
         every_row = not plan.prefill and all(
-            s.sample and not s.prompt_logprob_targets and not (exact_head and s.params.logprobs is not None)
+            s.sample and not s.prompt_logprob_targets and not (self.exact_head and s.params.logprobs is not None)
             for s in plan.decode)
         capture = self._hidden_capture(plan)
         if self.compiled is not None and every_row:  # compiled code returns logits (and captures) only
@@ -260,7 +261,7 @@ class ModelRunner:
         raw = None
         if asks:
             at = torch.tensor(asks, device=self.device)
-            raw = self._float32_logits(hidden[at]) if exact_head and hidden is not None else logits[at]
+            raw = self._float32_logits(hidden[at]) if self.exact_head and hidden is not None else logits[at]
         tokens = self.sampler.sample(logits, sampling)
         result.sampled.update(zip([s.request_id for s in sampling], tokens, strict=True))
         if raw is not None:
