@@ -55,6 +55,8 @@ def test_notes_group_failures_by_reason_and_count_capped_requests() -> None:
     assert notes[0] == "  3 of 10 requests capped to fit the served max_model_len 512 (prompt + output)"
     assert notes[1:] == ["failed requests by reason:", "  fcfs rate 2: 4 failed",
                          "    3 x HTTP N: context is N tokens, but N were requested", "    1 x timeout after N s"]
+    ids = {reason_key(f"error event: internal engine error (request id chatcmpl-{h})") for h in ("9fa3c0", "1be")}
+    assert ids == {"error event: internal engine error (request id <id>)"}
     assert reason_key("x" * 500).endswith("…") and format_notes([{"runs": runs[1:2]}]).count("\n") == 0
 
 

@@ -66,6 +66,25 @@ def test_cpu_compiles_at_start_up_only():
         assert counters["frames"]["ok"] == frames
 
 
+def test_steps_run_with_another_thread_count_run_eager_instead_of_failing():
+    """Graphs are guarded on the torch thread count they were built with; a step run with another
+    count (an engine core that changed it after the build began) runs eager, same tokens."""
+    one = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    threads = torch.get_num_threads()
+    with LLM(str(STORIES), kv_cache_blocks=16, compile=True, device="cpu") as llm:
+        inductor = llm.engine.executor.runner.compiled.inductor
+        expected = llm.generate([PROMPTS[0]], one)[0].token_ids
+        steps = inductor.steps
+        assert steps > 0
+        torch.set_num_threads(threads + 1)
+        try:
+            assert llm.generate([PROMPTS[0]], one)[0].token_ids == expected
+            assert inductor.steps == steps
+        finally:
+            torch.set_num_threads(threads)
+        assert llm.generate([PROMPTS[0]], one)[0].token_ids == expected and inductor.steps > steps
+
+
 def test_packed_linear_models_compile_only_one_row_steps():
     """builtin:tiny's fused MLP weight is oneDNN-packed: its multi-row steps run eager."""
     def run(compile: bool) -> tuple[list[list[int]], object]:

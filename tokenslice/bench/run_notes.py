@@ -10,11 +10,13 @@ from typing import Any
 
 MAX_REASON_CHARS = 160
 _NUMBER = re.compile(r"\d+(\.\d+)?")
+_REQUEST_ID = re.compile(r"\b(?:chatcmpl|cmpl)-[0-9A-Za-z_-]+")  # the server's ids: one per request
 
 
 def reason_key(error: str) -> str:
-    """One failure cause however its numbers differ ("... 600 were requested" and "... 610 ...")."""
-    text = _NUMBER.sub("N", error)
+    """One failure cause however its numbers and request ids differ ("... 600 were requested" and
+    "... 610 ...")."""
+    text = _NUMBER.sub("N", _REQUEST_ID.sub("<id>", error))
     return text if len(text) <= MAX_REASON_CHARS else text[:MAX_REASON_CHARS - 1] + "…"
 
 

@@ -65,6 +65,8 @@ def run_engine_core(config: bytes, input_address: str, output_address: str, log_
         pin_process(cpus.engine_cpus)
     import torch
 
+    from tokenslice.model.loader import load_arch  # torch: after the pinning above
+
     torch.set_num_threads(cpus.engine_threads)
     ctx = zmq.Context()
     if hasattr(os, "SCHED_BATCH"):  # Linux
@@ -82,18 +84,22 @@ def run_engine_core(config: bytes, input_address: str, output_address: str, log_
     code = 0
     try:
         try:
-            engine = Engine.from_config(msgspec.msgpack.decode(config, type=EngineConfig))
+            engine_config = msgspec.msgpack.decode(config, type=EngineConfig)
+            # Before the engine starts compiling its decode steps: torch guards a compiled step
+            # on the thread count it was built with, and a step run with another count fails.
+            matmul_params = load_arch(engine_config.model).matmul_params
+            threads = cpus.threads_for(matmul_params)
+            if threads != cpus.engine_threads:
+                log.info("%d torch threads, one per CPU: a model of %.0f M weights per token pays for them",
+                         threads, matmul_params / 1e6)
+                torch.set_num_threads(threads)
+            engine = Engine.from_config(engine_config)
         except Exception as e:
             log.debug("engine failed to start", exc_info=True)
             out.send(encoder.encode(StartupFailed(str(e) or type(e).__name__)))
             code = 1
             return
         engine.detokenize = False
-        threads = cpus.threads_for(engine.matmul_params)
-        if threads != cpus.engine_threads:
-            log.info("%d torch threads, one per CPU: a model of %.0f M weights per token pays for them",
-                     threads, engine.matmul_params / 1e6)
-            torch.set_num_threads(threads)
         # What startup built (the model, torch's and transformers' objects) lives as long as the
         # process: keep it out of every later full collection, a pause between two steps.
         gc.freeze()

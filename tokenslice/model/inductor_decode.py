@@ -136,6 +136,7 @@ class Bucket:
     whole: bool = False
     run: StepFn | None = None  # set once built: the region running only what was compiled
     seconds: float | None = None
+    threads: int = 0  # torch threads it was built with: its graphs are guarded on that count
 
 
 @dataclass
@@ -173,6 +174,7 @@ class InductorDecode:
         self._thread: threading.Thread | None = None
         self._done = threading.Event()
         self._stopping = False
+        self._threads_warned = False
 
     # ---- building ------------------------------------------------------------------------------
     def build(self) -> None:
@@ -254,6 +256,7 @@ class InductorDecode:
         # From here on only these graphs run: a step they do not take runs eager instead of
         # compiling mid-stream, and no step pays for marking dimensions again.
         bucket.run = torch._dynamo.run(bucket.region)
+        bucket.threads = torch.get_num_threads()
         bucket.seconds = time.perf_counter() - t0
         ready = sum(b.run is not None for b in self.buckets)
         log.info("decode bucket %s compiled in %.1f s (%d/%d); its steps run compiled from now on",
@@ -267,6 +270,15 @@ class InductorDecode:
         layer are copied out between the layer graphs (a whole-model graph cannot: not taken)."""
         rows = min(len(ids), 2)
         built = [b for b in self.buckets if b.rows == rows and b.run is not None and not (capture and b.whole)]
+        threads = torch.get_num_threads()
+        if built and built[-1].threads != threads:
+            # Run with another thread count, a graph fails its guards (and with guards skipped,
+            # raises): eager, as where no graph was built. The engine core sets its count first.
+            if not self._threads_warned:
+                self._threads_warned = True
+                log.warning("decode graphs were built with %d torch threads and steps run with %d: "
+                            "these steps run eager", built[-1].threads, threads)
+            return None
         if not built:
             return None
         bucket = built[-1]  # the whole model's once built
