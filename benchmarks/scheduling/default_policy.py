@@ -6,13 +6,18 @@ Protocol, fixed before any run:
   flags: compiled decode, which the bench waits for, the stall guard on, batch 64); candidates
   fcfs (vLLM's order, the baseline), skip-join-mlfq, srpt-predicted (the self length head the
   package ships, `--length-predictor auto`) and vtc.
-- Prompts held out from the shipped head's answers: Alpaca records and ShareGPT first turns that
-  benchmarks/length/own_answers.py's sample never drew. Chat endpoint; max_tokens = the dataset
-  answer's length, capped at 512, and the model's own end of answer ends a request earlier
-  (no ignore_eos): the traffic a chat service sees. N = 60 requests per point, seed 0, spread over
-  4 users (vtc's key), streamed.
-- Saturation: fcfs's throughput with 64 requests in flight (closed loop, the same N), per dataset;
-  the points are Poisson (CV 1) and Gamma CV 4 arrivals at 0.5x and 0.9x of it.
+- Prompts held out from the shipped head's answers: Alpaca records and ShareGPT conversations
+  (their first human -> gpt pair) that benchmarks/length/own_answers.py's sample never drew. Chat
+  endpoint; max_tokens = the dataset answer's length, capped at 512, and the model's own end of
+  answer ends a request earlier (no ignore_eos): the traffic a chat service sees. N = 200 requests
+  per point, seed 0, spread over 4 users (vtc's key), streamed.
+- Saturation: fcfs's throughput with 128 requests in flight (closed loop, the same N: twice the
+  batch of 64, so requests queue), per dataset; the points are Poisson (CV 1) and Gamma CV 4
+  arrivals at 0.5x and 0.9x of it.
+- Revised once (2026-11-29), before any complete run: the first protocol took N = 60 and
+  saturation at 64 in flight. With fewer requests than the batch holds, no request ever waits for
+  a slot, so "saturation" was one batch's makespan and every point ran at no queueing at all
+  (mean TTFT 0.06-0.2 s for every policy on Alpaca): it could not tell the policies apart.
 - Reported per point: mean TTFT, p99.9 time between tokens, mean normalized latency, throughput;
   ratios against fcfs at the same point. The checks: mean TTFT <= 0.3x fcfs and p99.9 TBT <= 1.5x.
 - Choice rule: the default is the candidate meeting both checks at the most points; a tie goes to
@@ -45,8 +50,8 @@ MODEL = "smollm2-135m-instruct"
 CANDIDATES = ["fcfs", "skip-join-mlfq", "srpt-predicted", "vtc"]
 LOADS = [0.5, 0.9]
 CVS = [1.0, 4.0]
-N = 60
-SATURATION_CONCURRENCY = 64
+N = 200
+SATURATION_CONCURRENCY = 128
 MAX_TOKENS_CAP = 512
 CHECKS = {"mean_ttft": 0.3, "p999_tbt": 1.5}
 METRICS = [("mean TTFT s", "mean_ttft", 1.0), ("p99.9 TBT ms", "p999_tbt", 1e3),
@@ -59,7 +64,7 @@ def held_out_files(work: Path) -> dict[str, Path]:
 
     drawn = {pid for pid, _, _ in sample_prompts(*SAMPLE)}
     alpaca = json.loads((SHARED / "data" / "alpaca_4500.json").read_text())
-    sharegpt = json.loads((SHARED / "data" / "sharegpt_first_turn_800.json").read_text())
+    sharegpt = json.loads((SHARED / "data" / "sharegpt_multiturn_800.json").read_text())
     kept = {"alpaca": [r for i, r in enumerate(alpaca) if f"alpaca-{i}" not in drawn],
             "sharegpt": [c for c in sharegpt if f"sharegpt-{c.get('id')}" not in drawn]}
     work.mkdir(parents=True, exist_ok=True)
