@@ -84,7 +84,9 @@ def bench(dataset: str, file: Path, policies: list[str], extra: list[str]) -> li
                "--num-users", "4", "--endpoint", "chat", "--no-ignore-eos", "--max-tokens-cap", str(MAX_TOKENS_CAP),
                "--early-stop-factor", "0", "--quiet", "--out", str(out), *extra]
         log(" ".join(cmd))
-        subprocess.run(cmd, check=True)
+        # A fresh state directory per run: srpt-predicted's self head starts from the shipped one
+        # at every point, never from answers to these same prompts at an earlier point.
+        subprocess.run(cmd, check=True, env=os.environ | {"XDG_STATE_HOME": str(Path(tmp) / "state")})
         runs = json.loads(out.read_text())["runs"]
     for run in runs:
         per = run.pop("per_request", None) or {}
