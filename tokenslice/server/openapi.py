@@ -10,8 +10,9 @@ from fastapi import FastAPI
 
 from tokenslice.engine.protocol import EngineInfo
 from tokenslice.request import MAX_LOGIT_BIAS
-from tokenslice.server.protocol import SEED_MAX, SEED_MIN, ErrorResponse
+from tokenslice.server.protocol import SEED_MAX, SEED_MIN, UNSUPPORTED_CHAT_FIELDS, ErrorResponse
 from tokenslice.server.settings import ServerSettings
+from tokenslice.server.tools import OTHER_CONSTRAINTS
 
 
 def error_docs() -> dict[int | str, dict[str, Any]]:
@@ -161,12 +162,34 @@ def _generation_schemas(comps: dict[str, Any], settings: ServerSettings, engine:
     for field in ("max_tokens", "max_completion_tokens"):
         _narrow(props[field], anyOf=_nullable(room))
     _narrow(props["top_logprobs"], anyOf=_nullable(top_logprobs))
-    _narrow(props["tools"], anyOf=[{"type": "array", "maxItems": 0}, {"type": "null"}])
     _require(chat, "top_logprobs only with logprobs: true", _leaves_out("top_logprobs"), _sends("logprobs", True))
+    _tool_schemas(comps)
     part = comps["TextContentPart"]
     part["properties"]["type"] = {"type": "string", "enum": ["text"], "title": "Type"}
     part["properties"]["text"] = {"type": "string", "title": "Text"}
     part["required"] = ["type", "text"]
+
+
+def _tool_schemas(comps: dict[str, Any]) -> None:
+    """The tool fields of ChatCompletionRequest and ChatMessage: OpenAI's fields this server does
+    not implement only as null, and the rules between fields that server/tools.py checks. Not said
+    here (a 400 naming the field): a named tool_choice must name one of the tools, their names must
+    differ, and each function's parameters must be a JSON schema xgrammar compiles."""
+    chat = comps["ChatCompletionRequest"]
+    props = chat["properties"]
+    for field in UNSUPPORTED_CHAT_FIELDS:
+        _narrow(props[field], type="null")
+    no_tools = {"properties": {"tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}}}
+    some_tools = {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+    _require(chat, "tool_choice other than none only with tools", _leaves_out("tool_choice"),
+             _sends("tool_choice", "none"), some_tools)
+    text_only = {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}
+    _require(chat, "tool calls follow their own grammar: no other output constraint with tools, unless "
+                   "tool_choice is none", no_tools, _sends("tool_choice", "none"),
+             {"properties": {"response_format": text_only, **{f: {"type": "null"} for f in OTHER_CONSTRAINTS}}})
+    message = comps["ChatMessage"]
+    _require(message, "tool_calls only on assistant messages", _leaves_out("tool_calls"), _sends("role", "assistant"))
+    _require(message, "tool_call_id only on tool messages", _leaves_out("tool_call_id"), _sends("role", "tool"))
 
 
 def _tokenizer_schemas(comps: dict[str, Any], engine: EngineInfo) -> None:
