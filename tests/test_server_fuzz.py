@@ -141,6 +141,11 @@ PRIORITY = "/v1/requests/{request_id}/priority"
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 
 
+STRUCTURED_PARAMS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "guided_decoding_backend", "tools", "tool_choice", *(f"structured_outputs.{f}" for f in (
+                         "json", "regex", "choice", "grammar", "json_object", "structural_tag")))
+
+
 @dataclass(frozen=True)
 class Allowed4xx:
     """A 4xx that a schema-valid request may still get (matched by status, the error's param or
@@ -170,6 +175,17 @@ ALLOWED_4XX = (
                "one field bounded by another: best_of >= n, and best_of == n when streamed"),
     Allowed4xx(GENERATION, 400, ("n", "prompt"), r"this request makes \d+ engine requests",
                "one field bounded by another: prompts x n within --max-waiting"),
+    Allowed4xx(("/tokenize",), 400, ("messages",), r"messages has \d+ characters",
+               "how long a chat template renders messages (tool calls included) is not a schema property"),
+    Allowed4xx(GENERATION, 400, STRUCTURED_PARAMS, r"(response_format|structured_outputs\.\w+|guided_\w+|tools): ",
+               "whether xgrammar compiles a schema, regex or grammar, and how long it is as text, is not a JSON "
+               "Schema property"),
+    Allowed4xx(GENERATION, 400, STRUCTURED_PARAMS,
+               r"([\w.]+: only one structured-output constraint|[\w.]+ cannot be combined with tools)",
+               "fields that exclude each other: one structured-output constraint per request"),
+    Allowed4xx(("/v1/chat/completions",), 400, ("tools", "tool_choice"),
+               r"(tools: each function needs its own name|tool_choice names function)",
+               "names that must match across fields: tools unique, tool_choice one of them"),
 )
 
 

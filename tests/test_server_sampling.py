@@ -127,16 +127,19 @@ def test_chat_accepts_the_controls(chat_srv: RunningServer) -> None:
 
 
 # ---- strict validation ----------------------------------------------------------------------------
-UNSUPPORTED = ["tools_choice", "tool_choice", "response_format", "functions", "function_call", "parallel_tool_calls",
-               "reasoning_effort", "modalities", "audio", "prediction", "web_search_options", "use_beam_search",
-               "length_penalty", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "guided_json",
-               "guided_regex", "structured_outputs", "chat_template", "chat_template_kwargs", "add_special_tokens",
+# Fields neither route declares (even null is refused: a client that sends one expects an effect).
+# The OpenAI chat fields (tools, response_format, functions, ...) and vLLM's structured-output fields
+# take null as their default: tests/test_tool_calls.py and tests/test_structured_outputs.py.
+UNSUPPORTED = ["tools_choice", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
+               "truncate_prompt_tokens", "chat_template", "chat_template_kwargs", "add_special_tokens",
                "return_tokens_as_token_ids", "prompt_embeds", "cache_salt", "kv_transfer_params", "vllm_xargs",
                "request_id", "documents", "no_such_field"]
+CHAT_ONLY = ["tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "reasoning_effort",
+             "modalities", "audio", "prediction", "web_search_options"]
 
 
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-@pytest.mark.parametrize("field", UNSUPPORTED)
+@pytest.mark.parametrize("route,field", [(route, f) for route in ("/v1/completions", "/v1/chat/completions")
+                                         for f in UNSUPPORTED] + [("/v1/completions", f) for f in CHAT_ONLY])
 def test_unsupported_field_is_400_naming_it(srv: RunningServer, chat_srv: RunningServer, route: str,
                                             field: str) -> None:
     server = srv if route == "/v1/completions" else chat_srv

@@ -32,6 +32,22 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+# What a grammar constrains (SamplingParams.structured): JSON of any shape, JSON of a schema, a
+# regular expression, one of a list of strings, an EBNF grammar, or an xgrammar structural tag
+# (tool calls: free text around constrained calls).
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow: `kind` (STRUCTURED_KINDS) and its text (a JSON schema, a
+    regex, a JSON list of choices, EBNF, a structural tag's JSON; "" for json_object). Hashable:
+    compiled grammars are cached by it."""
+
+    kind: str
+    spec: str = ""
+
+
 @dataclass
 class SamplingParams:
     """How one request samples. These defaults are the only ones: the HTTP request fields take
@@ -62,6 +78,8 @@ class SamplingParams:
     # (0: the sampled token's alone), and of each prompt token (`prompt_logprobs`). None: off.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Every token masked to what the grammar allows next (model/grammar.py); None: free text.
+    structured: StructuredOutput | None = None
 
     def validate(self) -> None:
         # 0 only computes the prompt's logprobs (vLLM's echo without generation): it finishes
@@ -103,6 +121,9 @@ class SamplingParams:
                                           f"got {bias} for token {tok}", "logit_bias")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative token ids", "stop_token_ids")
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got "
+                                      f"{self.structured.kind!r}", "structured")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids the sampler indexes logits with must exist in the model's vocabulary."""

@@ -25,8 +25,8 @@ from typing import Any
 from tokenslice.engine.core_loop import CoreLoop, StepOutcome
 from tokenslice.engine.engine import Engine
 from tokenslice.engine.output import OutputProcessor
-from tokenslice.engine.protocol import (EngineDeadError, EngineFaultError, OutputObserver, RequestStream,
-                                        StreamAdmission, engine_info, read_stats)
+from tokenslice.engine.protocol import (EngineDeadError, EngineFaultError, OutputObserver, RequestFailedError,
+                                        RequestStream, StreamAdmission, engine_info, read_stats)
 from tokenslice.request import EngineRequest, InvalidRequestError, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -293,6 +293,10 @@ class AsyncEngine(StreamAdmission):
             failed = [self._streams.pop(rid) for rid in outcome.failed if rid in self._streams]
             self._call_soon(self._deliver, [(s, fault) for s in failed])
             return
+        ended = [(self._streams.pop(rid), RequestFailedError(why)) for rid, why in outcome.reasons.items()
+                 if rid in self._streams]
+        if ended:
+            self._call_soon(self._deliver, ended)
         items: list[tuple[RequestStream | None, RequestOutput]] = []
         for out in outcome.outputs:
             stream = self._streams.get(out.request_id)

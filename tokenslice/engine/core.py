@@ -180,8 +180,8 @@ class EngineCore:
         for out in outcome.outputs:
             _wire_output(out)
         stats = self._stats(force=not self.engine.has_unfinished())
-        if outcome.outputs or stats is not None:
-            self._send(CoreOutput(outcome.outputs, stats=stats))
+        if outcome.outputs or outcome.failed or stats is not None:
+            self._send(CoreOutput(outcome.outputs, failed=outcome.failed, reasons=outcome.reasons, stats=stats))
 
     def _receive(self, block: bool) -> list[CoreInput]:
         """Every queued message (waiting for one if `block`); WorkerError if a rank died meanwhile."""

@@ -32,8 +32,8 @@ import zmq
 import zmq.asyncio
 
 from tokenslice.config import CpuConfig, EngineConfig
-from tokenslice.engine.protocol import (EngineDeadError, EngineFaultError, OutputObserver, RequestStream,
-                                            StreamAdmission)
+from tokenslice.engine.protocol import (EngineDeadError, EngineFaultError, OutputObserver, RequestFailedError,
+                                        RequestStream, StreamAdmission)
 from tokenslice.engine.core import run_engine_core
 from tokenslice.engine.cpus import CpuPlan, plan_cpus
 from tokenslice.engine.core_messages import (Abort, AddRequest, CoreMessage, CoreOutput, Fatal, Ready, Refusal,
@@ -294,7 +294,7 @@ class EngineCoreClient(StreamAdmission):
                 stream = self._live.pop(rid, None)
                 self._outputs.forget(rid)
                 if stream is not None:
-                    self._put(stream, fault)
+                    self._put(stream, RequestFailedError(msg.reasons[rid]) if rid in msg.reasons else fault)
         if msg.stats is not None:
             self.stats = msg.stats
 

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 class StepOutcome:
     outputs: list[RequestOutput] = field(default_factory=list)  # finished requests already left `live`
     failed: list[str] = field(default_factory=list)  # live requests a step fault ended (aborted in the engine)
+    # Requests the engine ended before they ran, and why (not a fault: their grammar failed).
+    reasons: dict[str, str] = field(default_factory=dict)
     fault: bool = False  # the step raised (`failed` may be empty: nothing was live)
 
 
@@ -92,7 +94,9 @@ class CoreLoop:
         for out in outputs:
             if out.finished:
                 self.live.discard(out.request_id)
-        return StepOutcome(outputs)
+        reasons = self.engine.take_failed()
+        self.live.difference_update(reasons)
+        return StepOutcome(outputs, failed=sorted(reasons), reasons=reasons)
 
 
 __all__ = ["CoreLoop", "StepOutcome"]

@@ -87,7 +87,8 @@ class CoreOutput(msgspec.Struct, tag=True):
     added: list[AddReply] = []
     priorities: list[PriorityReply] = []
     states: list[StateReply] = []
-    failed: list[str] = []  # live requests that a failed step took down
+    failed: list[str] = []  # live requests that a failed step took down (or that `reasons` ended)
+    reasons: dict[str, str] = {}  # of `failed`, those the engine ended for a reason the client reads
     stats: EngineStats | None = None  # at most every STATS_INTERVAL_S, and whenever the engine goes idle
 
 

@@ -10,6 +10,7 @@ hooks that say how time passes (`_fast_forward`, `_executed`, `_wait_for_batch`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -19,6 +20,7 @@ from typing import Any
 
 from tokenslice.clock import RealClock
 from tokenslice.config import EngineConfig
+from tokenslice.engine.grammar_queue import GrammarQueue
 from tokenslice.engine.output import OutputProcessor, joined_logprobs
 from tokenslice.engine.protocol import tokenize_prompt
 from tokenslice.engine.request_checks import check_priority, check_prompt
@@ -28,13 +30,21 @@ from tokenslice.exec.factory import start_model
 from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.predict.online import OnlineLengthPredictor, auto_predictor_dir
-from tokenslice.request import CompletionOutput, EngineRequest, Request, RequestOutput, SamplingParams, TokenLogprobs
+from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestError, Request, RequestOutput,
+                                SamplingParams, TokenLogprobs)
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler, build_scheduler
 from tokenslice.sched.snapshot import snapshot
 from tokenslice.sched.speculative import SpeculativeSRPTPolicy
 
 log = logging.getLogger(__name__)
+
+
+def _grammars(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
+    """model.grammar.Grammars for the served model (xgrammar loads here, at the first structured request)."""
+    from tokenslice.model.grammar import Grammars
+
+    return Grammars(lambda: tokenizer, vocab_size, eos_token_ids)
 
 
 @dataclass
@@ -81,6 +91,10 @@ class Engine:
         self.stages = max_in_flight  # pipeline stages: plans in flight without async scheduling
         self._pipe: deque[StepPlan] = deque()  # submitted, not yet polled (oldest first)
         self._plan_ahead(async_scheduling)
+        # Structured outputs: grammars compile here before their request joins the scheduler
+        # (None: constrained requests are admitted as they come, as the simulator does).
+        self.grammar_queue: GrammarQueue | None = None
+        self._failed: dict[str, str] = {}  # requests that ended before they ran, and why (take_failed)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
@@ -109,6 +123,11 @@ class Engine:
                 engine.step_trace = StepTraceWriter(config.step_trace)
             if side.runner is not None:  # the model in this process (tests and benchmarks read it)
                 engine.runner = side.runner
+            if side.tokenizer is not None:
+                engine.grammar_queue = GrammarQueue(functools.partial(
+                    _grammars, side.tokenizer, side.arch.vocab_size, side.eos_token_ids))
+                if side.runner is not None:  # one cache for the compile thread and the sampler
+                    side.runner.sampler.grammar_source = engine.grammar_queue.grammars
             predictor = config.scheduler.length_predictor
             if predictor == "auto":
                 predictor = (str(auto_predictor_dir(side.name, side.arch.hidden_size, side.arch.num_layers))
@@ -154,6 +173,8 @@ class Engine:
     def close(self) -> None:
         """Release executor resources (transfer threads) and the length predictor. Idempotent."""
         self.executor.close()
+        if self.grammar_queue is not None:
+            self.grammar_queue.close()
         if self.step_trace is not None:
             self.step_trace.close()
         if self.lengths is not None:
@@ -201,7 +222,8 @@ class Engine:
         req.prefix_leader = new.prefix_leader
         if self.lengths is not None and self.tokenizer is not None:
             self.lengths.predict(req, new.prompt_text)
-        self.scheduler.add(req, now)
+        if params.structured is None or self.grammar_queue is None or self.grammar_queue.submit(req, now):
+            self.scheduler.add(req, now)
         if self._text is not None and self.detokenize:
             self._text.add(req.request_id, ids, params)
         return req
@@ -215,7 +237,27 @@ class Engine:
 
     def abort_request(self, request_id: str) -> bool:
         self.forget_outputs(request_id)
+        if self.grammar_queue is not None and self.grammar_queue.abort(request_id):
+            return True
         return self.scheduler.abort(request_id, self.clock.now()) is not None
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests that ended before they ran (their grammar failed to compile), and why."""
+        failed, self._failed = self._failed, {}
+        for rid in failed:
+            self.forget_outputs(rid)
+        return failed
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled join the scheduler; with nothing else to run, wait a
+        little for one rather than spin."""
+        assert self.grammar_queue is not None
+        idle = not self.scheduler.has_unfinished() and not self._pipe
+        admitted, failed = self.grammar_queue.ready(self.clock.now(), wait_s=0.01 if idle else 0.0)
+        now = self.clock.now()
+        for req in admitted:
+            self.scheduler.add(req, now)
+        self._failed.update(failed)
 
     def forget_outputs(self, request_id: str) -> None:
         """Drop the text and logprobs kept for a request's next output: nobody will read it (an
@@ -226,8 +268,10 @@ class Engine:
         self._prompt_logprobs.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        """Live requests, or plans still in flight (of requests aborted meanwhile)."""
-        return self.scheduler.has_unfinished() or bool(self._pipe)
+        """Live requests (compiling their grammar too), or plans still in flight (of requests
+        aborted meanwhile)."""
+        return (self.scheduler.has_unfinished() or bool(self._pipe)
+                or bool(self.grammar_queue is not None and len(self.grammar_queue)))
 
     def state(self) -> dict[str, Any]:
         """The scheduler as plain data for a live view (sched/snapshot.py): ids and counts, no text."""
@@ -239,6 +283,8 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration; an output for every request that got a token or finished."""
+        if self.grammar_queue is not None and len(self.grammar_queue):
+            self._admit_compiled()
         produced, finished = self.advance()
         outputs = [self._output(req, req.output_token_ids[-1:]) for req in produced]
         reported = {req.request_id for req in produced}
@@ -413,7 +459,14 @@ class Engine:
                                                   "", [], None, r.metrics)
                    for r, p in zip(reqs, prompts, strict=True)}
         while any(not r.is_finished for r in reqs):
-            for out in self.step():
+            outputs = self.step()
+            failed = self.take_failed()
+            if failed:  # a grammar that did not compile: its request never ran
+                for r in reqs:
+                    self.abort_request(r.request_id)
+                rid, why = next(iter(failed.items()))
+                raise InvalidRequestError(f"request {rid}: {why}", "structured")
+            for out in outputs:
                 res = results.get(out.request_id)
                 if res is not None:
                     res.text += out.text_delta

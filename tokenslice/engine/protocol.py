@@ -37,6 +37,11 @@ class EngineFaultError(RuntimeError):
     """The engine failed while this request was in flight (a server fault, not the client's)."""
 
 
+class RequestFailedError(EngineFaultError):
+    """The engine ended this request before it ran, for a reason the client should read (its
+    grammar did not compile in time); the message says why."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot the loop publishes after every iteration; read from any thread."""

@@ -7,16 +7,22 @@ Every control acts on the whole batch at once (small per-row parameter tensors, 
 builds) and costs nothing when no request in the batch asks for it; random rows draw together
 (`_draw`), in a fixed number of tensor ops that stay on the logits' device until the one read of
 the tokens at the end. Order as vLLM: logit bias, then penalties, then greedy choice; min_p after
-temperature, then top-k, then top-p."""
+temperature, then top-k, then top-p. Rows with a grammar (structured outputs, model/grammar.py)
+are masked to the tokens it allows last, so nothing after can bring a banned token back."""
 from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenslice.plan import SeqSlice
 from tokenslice.request import SamplingParams
+
+if TYPE_CHECKING:  # xgrammar's import (half a second) waits for the first structured request
+    from tokenslice.model.grammar import GrammarMasks, Grammars
 
 MAX_TEMPERATURE = 1e4
 TOP_P_CANDIDATES = 256
@@ -30,10 +36,25 @@ class Sampler:
         # One stream per request, on the host: a draw is one number per row, not a device launch.
         self._generators: dict[str, random.Random] = {}
         self._unseeded = 0
+        # Structured outputs: where this process's compiled grammars come from (the engine's, or a
+        # worker's own), asked at the first constrained row.
+        self.grammar_source: Callable[[], Grammars] | None = None
+        self._masks: GrammarMasks | None = None
+
+    def _grammar_masks(self) -> GrammarMasks:
+        if self._masks is None:
+            if self.grammar_source is None:
+                raise RuntimeError("a request asks for structured output, and this sampler has no grammars")
+            from tokenslice.model.grammar import GrammarMasks
+
+            self._masks = GrammarMasks(self.grammar_source())
+        return self._masks
 
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._generators.pop(rid, None)
+        if self._masks is not None:
+            self._masks.forget(request_ids)
 
     def _generator(self, s: SeqSlice) -> random.Random:
         g = self._generators.get(s.request_id)
@@ -65,11 +86,19 @@ class Sampler:
             self._apply_logit_bias(logits, slices)
         if any(p.penalized for p in params):
             self._apply_penalties(logits, slices)
+        constrained = [i for i, p in enumerate(params) if p.structured is not None]
+        if constrained:
+            masks = self._grammar_masks()
+            matchers = [masks.matcher(slices[i].request_id, params[i].structured) for i in constrained]
+            masks.apply(logits, constrained, matchers)
         out = logits.argmax(dim=-1)
         if any(p.temperature > 0.0 for p in params):
             rows, tokens = self._draw(logits, slices)
             out[rows] = tokens
-        return out.tolist()
+        tokens = out.tolist()
+        if constrained:
+            masks.accept(matchers, [tokens[i] for i in constrained])
+        return tokens
 
     def _ban_stops_before_min_tokens(self, logits: torch.Tensor, slices: list[SeqSlice]) -> None:
         rows: list[int] = []

@@ -15,9 +15,10 @@ from tokenslice.server.generation_config import with_defaults
 from tokenslice.server.logprobs import TokenTexts, chat_logprobs
 from tokenslice.server.openapi import ok_doc
 from tokenslice.server.prompts import message_text
-from tokenslice.server.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                                        ChatLogprobs, ChatMessageOut, ChatStreamChoice, DeltaMessage,
-                                        FunctionCallDelta, StreamOptions, ToolCallDelta, ToolCallOut)
+from tokenslice.server.protocol import ChatCompletionRequest, StreamOptions
+from tokenslice.server.responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
+                                         ChatMessageOut, ChatStreamChoice, DeltaMessage, FunctionCallDelta,
+                                         ToolCallDelta, ToolCallOut)
 from tokenslice.server.sampling import check_logprobs, check_stream_options, sampling_params
 from tokenslice.server.serving import ClientWatch, Server
 from tokenslice.server.sse import sse

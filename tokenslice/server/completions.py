@@ -19,8 +19,8 @@ from tokenslice.server.generation_config import with_defaults
 from tokenslice.server.logprobs import (TokenTexts, completion_logprobs, echo_completion_logprobs,
                                         prompt_logprob_entries)
 from tokenslice.server.openapi import ok_doc
-from tokenslice.server.protocol import (CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionRequest,
-                                        CompletionResponse, StreamOptions)
+from tokenslice.server.protocol import CompletionRequest, StreamOptions
+from tokenslice.server.responses import CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse
 from tokenslice.server.sampling import check_logprobs, check_stream_options, sampling_params
 from tokenslice.server.serving import ClientWatch, Server
 from tokenslice.server.sse import sse

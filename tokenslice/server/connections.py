@@ -14,7 +14,7 @@ from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from tokenslice.server.protocol import ErrorInfo, ErrorResponse
+from tokenslice.server.responses import ErrorInfo, ErrorResponse
 
 
 @dataclass(frozen=True)

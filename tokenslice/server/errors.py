@@ -11,9 +11,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenslice.engine.protocol import EngineDeadError
+from tokenslice.engine.protocol import EngineDeadError, RequestFailedError
 from tokenslice.server.metrics import ServerMetrics
-from tokenslice.server.protocol import ErrorInfo, ErrorResponse
+from tokenslice.server.responses import ErrorInfo, ErrorResponse
 from tokenslice.server.track import Track, log_text
 
 log = logging.getLogger("tokenslice.server")
@@ -52,6 +52,9 @@ def error_type(status: int) -> str:
 
 def engine_fault(request_id: str, e: BaseException) -> APIError:
     """The 500 for a request the engine failed; logged here."""
+    if isinstance(e, RequestFailedError):  # the request's own doing (its grammar): the client reads why
+        log.info("%s ended in the engine: %s", request_id, e)
+        return APIError(400, f"{e} (request id {request_id})")
     log.error("%s failed in the engine: %s", request_id, e)
     if isinstance(e, EngineDeadError):  # the server is done for: say why (e.g. which worker died), in one line
         why = (str(e).splitlines() or [type(e).__name__])[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenslice.request import TokenLogprobs
-from tokenslice.server.protocol import ChatLogprob, ChatLogprobs, ChatTopLogprob, CompletionLogprobs, PromptLogprob
+from tokenslice.server.responses import ChatLogprob, ChatLogprobs, ChatTopLogprob, CompletionLogprobs, PromptLogprob
 
 # JSON has no -inf; vLLM clamps to this as well.
 MIN_LOGPROB = -9999.0

@@ -10,7 +10,8 @@ from fastapi import FastAPI
 
 from tokenslice.engine.protocol import EngineInfo
 from tokenslice.request import MAX_LOGIT_BIAS
-from tokenslice.server.protocol import SEED_MAX, SEED_MIN, UNSUPPORTED_CHAT_FIELDS, ErrorResponse
+from tokenslice.server.protocol import SEED_MAX, SEED_MIN, UNSUPPORTED_CHAT_FIELDS
+from tokenslice.server.responses import ErrorResponse
 from tokenslice.server.settings import ServerSettings
 from tokenslice.server.tools import OTHER_CONSTRAINTS
 

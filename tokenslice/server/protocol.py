@@ -1,4 +1,5 @@
-"""Pydantic schemas for the OpenAI wire format (completions, chat completions, models, errors).
+"""Pydantic schemas of the requests of the OpenAI wire format (completions, chat completions, tools,
+structured outputs, tokenizer endpoints; answers: responses.py).
 
 Models are strict: the API documents numbers as numbers, so "5" for max_tokens is a 400 rather
 than a silent coercion, and the OpenAPI schema FastAPI derives from them is what fuzzers test.
@@ -9,12 +10,9 @@ support yet are refused by the handlers with a clear 400.
 """
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, SerializerFunctionWrapHandler,
-                      model_serializer, model_validator)
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from tokenslice.request import (MAX_LOGPROBS, MAX_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY,
                                 sampling_default)
@@ -127,6 +125,39 @@ class TokensliceOptions(_Strict):
                     "least this fast once it started (default: the server's --delivery-rate)")
 
 
+# A schema, grammar or regex a request sends is compiled into a grammar: bounded, so that no
+# request makes the server compile something huge (model/grammar.py bounds the compile time).
+MAX_GRAMMAR_CHARS = 64 * 1024
+
+
+class JsonSchemaSpec(_Strict):
+    """response_format's json_schema (OpenAI): the schema the output must validate against."""
+
+    name: Text = Field(max_length=256, description="the schema's name (reported back by nothing; OpenAI requires it)")
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="a JSON schema; absent: any JSON object")
+    strict: bool | None = Field(None, description="true or false alike: the output always follows the schema")
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputsSpec(_Strict):
+    """vLLM's structured_outputs object: exactly one constraint."""
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json",
+                                                description="a JSON schema (object or its JSON text)")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(None, min_length=1, description="the output is one of these strings")
+    grammar: Text | None = Field(None, description="an EBNF grammar (xgrammar's, GBNF-like)")
+    json_object: bool | None = Field(None, description="true: any JSON object")
+    structural_tag: Text | None = Field(None, description="an xgrammar structural tag, as JSON text")
+
+
 class SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions. The sampling defaults are
     SamplingParams' (request.py); a null is dropped before validation (_Strict), so a field with a
@@ -170,6 +201,18 @@ class SamplingFields(_Strict):
     spaces_between_special_tokens: bool = Field(sampling_default("spaces_between_special_tokens"),
                                                 description="(slow tokenizers only) space around special tokens "
                                                             "in the text")
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema: "
+                                                                     "the output follows it (a grammar masks "
+                                                                     "every token)")
+    structured_outputs: StructuredOutputsSpec | None = Field(None, description="vLLM's: one of json, regex, "
+                                                                               "choice, grammar, json_object, "
+                                                                               "structural_tag")
+    guided_json: dict[str, Any] | Text | None = Field(None, description="vLLM's older name of structured_outputs.json")
+    guided_regex: Text | None = Field(None, description="vLLM's older name of structured_outputs.regex")
+    guided_choice: list[Text] | None = Field(None, min_length=1,
+                                             description="vLLM's older name of structured_outputs.choice")
+    guided_grammar: Text | None = Field(None, description="vLLM's older name of structured_outputs.grammar")
+    guided_decoding_backend: Text | None = Field(None, description="xgrammar (or auto), the only backend")
     priority: Hint = Field(0, description="lower runs first under --policy priority; other policies "
                                           "refuse anything but 0; change it later with "
                                           "POST /v1/requests/{id}/priority")
@@ -209,10 +252,52 @@ class TextContentPart(_Strict):
     text: Text | None = None
 
 
+class FunctionCallIn(_Strict):
+    name: Text
+    arguments: Text = Field(description="the call's arguments as JSON text")
+
+
+class ToolCallIn(_Strict):
+    """A tool call an assistant message of the conversation made (sent back in the next turn)."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, description="an assistant message's calls")
+    tool_call_id: Text | None = Field(None, description="a tool message: the call it answers")
+
+
+class FunctionDefinition(_Strict):
+    name: Text = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments; absent: none")
+    strict: bool | None = Field(None, description="true or false alike: calls always follow the schema")
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+# OpenAI chat fields this server does not implement: accepted as null (their default), and
+# refused with a 400 naming them otherwise.
+UNSUPPORTED_CHAT_FIELDS = ("functions", "function_call", "reasoning_effort", "modalities", "prediction", "audio",
+                           "web_search_options")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -221,7 +306,19 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = Field(False, description="log-probabilities of the generated tokens (raw logits)")
     top_logprobs: TopLogprobs | None = Field(None, description="with logprobs: this many most likely "
                                                                   "alternatives per token (at most 20)")
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: must be empty")
+    tools: list[ChatTool] | None = Field(None, description="functions the model may call (rendered by its "
+                                                            "chat template; calls parsed from <tool_call> blocks)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="auto (the default with tools): text or calls; required: at least one call; "
+                          "a named function: that call; none: no calls")
+    parallel_tool_calls: bool = Field(True, description="false: at most one call")
+    functions: Any = Field(None, description="not supported: must be null (use tools)")
+    function_call: Any = Field(None, description="not supported: must be null (use tool_choice)")
+    reasoning_effort: Any = Field(None, description="not supported: must be null")
+    modalities: Any = Field(None, description="not supported: must be null")
+    prediction: Any = Field(None, description="not supported: must be null")
+    audio: Any = Field(None, description="not supported: must be null")
+    web_search_options: Any = Field(None, description="not supported: must be null")
     add_generation_prompt: bool = True
 
 
@@ -242,203 +339,6 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
 
 
-class TokenizeResponse(BaseModel):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-
-
 class DetokenizeRequest(_Strict):
     model: str | None = Field(None, description="must be the served model name; defaults to it")
     tokens: list[Int]
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str
-
-
-class VersionResponse(BaseModel):
-    version: str
-
-
-class PriorityResponse(BaseModel):
-    id: str
-    priority: int
-
-
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-
-
-class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy completions shape: one entry per token (an echoed prompt's first token has
-    no logprob: null), text_offset counts characters into the choice's text."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):
-    """vLLM's prompt_logprobs entry (keyed by token id)."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-STOP_REASON_DOC = "the stop string or stop token id that ended the choice (null: EOS or length), as vLLM"
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = Field(None, description=STOP_REASON_DOC)
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_prompt_logprobs(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # vLLM's extension field appears only when asked for.
-        out = handler(self)
-        if out.get("prompt_logprobs") is None:
-            out.pop("prompt_logprobs", None)
-        return out
-
-
-class ChatTopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogprob(ChatTopLogprob):
-    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatLogprob] | None = None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ChatMessageOut(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatMessageOut
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = Field(None, description=STOP_REASON_DOC)
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageInfo | None = None
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # OpenAI sends only what changed in a delta ({} on the final chunk), never nulls.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = Field(None, description=STOP_REASON_DOC)
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionChunk(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class ModelPermission(BaseModel):
-    """OpenAI's legacy permission object, as vLLM lists it with every model."""
-
-    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
-    object: Literal["model_permission"] = "model_permission"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    allow_create_engine: bool = False
-    allow_sampling: bool = True
-    allow_logprobs: bool = True
-    allow_search_indices: bool = False
-    allow_view: bool = True
-    allow_fine_tuning: bool = False
-    organization: str = "*"
-    group: str | None = None
-    is_blocking: bool = False
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "tokenslice"
-    root: str | None = Field(None, description="the model the name serves (--model), as vLLM")
-    parent: str | None = None
-    max_model_len: int | None = None
-    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizerInfoResponse(BaseModel):
-    """GET /tokenizer_info, as vLLM: the tokenizer's settings (tokenizer_config.json's, without file
-    paths), its class and the chat template in use."""
-
-    model_config = ConfigDict(extra="allow")
-
-    tokenizer_class: str
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo

@@ -19,9 +19,9 @@ from tokenslice.request import InvalidRequestError
 from tokenslice.server.errors import APIError, engine_fault, engine_unavailable
 from tokenslice.server.identity import Tenant, tenant_of
 from tokenslice.server.openapi import error_docs
-from tokenslice.server.protocol import (DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelCard, ModelList,
-                                        PriorityResponse, PriorityUpdate, TokenizeRequest, TokenizerInfoResponse,
-                                        TokenizeResponse, VersionResponse)
+from tokenslice.server.protocol import DetokenizeRequest, PriorityUpdate, TokenizeRequest
+from tokenslice.server.responses import (DetokenizeResponse, ErrorResponse, ModelCard, ModelList, PriorityResponse,
+                                         TokenizerInfoResponse, TokenizeResponse, VersionResponse)
 from tokenslice.server.serving import Server
 from tokenslice.server.state import encode as encode_state
 from tokenslice.server.state import visible_state

@@ -19,8 +19,8 @@ from tokenslice.engine.protocol import EngineClient, EngineDeadError, EngineFaul
 from tokenslice.request import RequestOutput
 from tokenslice.server.choices import Choice, abort_unfinished, merged
 from tokenslice.server.errors import engine_fault
-from tokenslice.server.protocol import (ChatCompletionChunk, CompletionChunk, ErrorInfo, ErrorResponse,
-                                        StreamOptions)
+from tokenslice.server.protocol import StreamOptions
+from tokenslice.server.responses import ChatCompletionChunk, CompletionChunk, ErrorInfo, ErrorResponse
 from tokenslice.server.sse import DONE, TextChunk, sse
 from tokenslice.server.track import Track
 

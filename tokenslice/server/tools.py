@@ -14,7 +14,8 @@ from typing import Any
 from tokenslice.request import StructuredOutput
 from tokenslice.server.errors import APIError
 from tokenslice.server.protocol import (MAX_GRAMMAR_CHARS, UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest, ChatTool,
-                                        FunctionCallOut, NamedToolChoice, ToolCallIn, ToolCallOut)
+                                        NamedToolChoice, ToolCallIn)
+from tokenslice.server.responses import FunctionCallOut, ToolCallOut
 from tokenslice.server.structured import check_grammar
 
 CALL_OPEN = "<tool_call>"

@@ -13,7 +13,7 @@ from fastapi import Request
 
 from tokenslice.server.choices import Choice
 from tokenslice.server.identity import OPERATOR, Tenant, tenant_of
-from tokenslice.server.protocol import UsageInfo
+from tokenslice.server.responses import UsageInfo
 
 log = logging.getLogger("tokenslice.server")
 LOG_TEXT_CHARS = 160  # of a client's value (a path, an id) in a log line
