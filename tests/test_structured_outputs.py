@@ -161,12 +161,12 @@ def _post(srv: RunningServer, body: dict) -> httpx.Response:
     ({"guided_regex": "(ab"}, "guided_regex"),
     ({"guided_grammar": 'root ::= "a" |'}, "guided_grammar"),
     ({"guided_json": "{not json"}, "guided_json"),
-    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs.regex"),
     ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend"),
     ({"guided_regex": "a" * 70_000}, "guided_regex"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_bad_or_competing_constraints_are_400s_naming_their_field(srv: RunningServer, body: dict,
                                                                   param: str) -> None:

@@ -30,6 +30,7 @@ from tokenslice.kv.manager import KVManager
 from tokenslice.model.arch import ModelLoadError, parse_config
 from tokenslice.model.tp import TPShard
 from tokenslice.plan import SeqSlice, StepPlan
+from tokenslice.request import StructuredOutput
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.sched.policy import PolicyContext
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
@@ -135,6 +136,17 @@ def test_seeded_sampling_and_penalties_match_one_rank(stories_tp2):
     params = [SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7),
               SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.3, frequency_penalty=0.5,
                              logit_bias={13: 5.0}, ignore_eos=True)]
+    prompts = [LONG[0][:20], SHORT[1]]
+    with LLM(str(STORIES), dtype="float32") as one:
+        want = [o.token_ids for o in one.generate(prompts, params)]
+    _reschedule(stories_tp2.engine, "recompute")
+    assert [o.token_ids for o in stories_tp2.generate(prompts, params)] == want
+
+
+def test_structured_outputs_match_one_rank(stories_tp2):
+    """Each rank compiles the request's grammar itself and masks as one process does."""
+    params = SamplingParams(max_tokens=12, temperature=0,
+                            structured=StructuredOutput("regex", "[a-z]+( [a-z]+)*"))
     prompts = [LONG[0][:20], SHORT[1]]
     with LLM(str(STORIES), dtype="float32") as one:
         want = [o.token_ids for o in one.generate(prompts, params)]

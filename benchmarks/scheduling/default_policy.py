@@ -21,7 +21,8 @@ Protocol, fixed before any run:
 - Reported per point: mean TTFT, p99.9 time between tokens, mean normalized latency, throughput;
   ratios against fcfs at the same point. The checks: mean TTFT <= 0.3x fcfs and p99.9 TBT <= 1.5x.
 - Choice rule: the default is the candidate meeting both checks at the most points; a tie goes to
-  the lower geometric mean of its TTFT ratios.
+  the lower geometric mean of its TTFT ratios. fcfs is a candidate too (ratios 1, no check met):
+  a policy that meets no check and is slower on average does not replace it.
 
     nohup .venv/bin/python benchmarks/scheduling/default_policy.py > /tmp/default_policy.log 2>&1 &
     .venv/bin/python benchmarks/scheduling/default_policy.py --report-only
@@ -136,7 +137,7 @@ def choose(rows: list[dict[str, Any]]) -> str:
         ttft = [r["ratio"]["mean_ttft"] for r in mine if r["ratio"]["mean_ttft"]]
         gm = math.exp(sum(math.log(x) for x in ttft) / len(ttft)) if ttft else math.inf
         return -met, gm
-    return min((p for p in CANDIDATES if p != "fcfs"), key=score)
+    return min(CANDIDATES, key=lambda p: (0, 1.0) if p == "fcfs" else score(p))
 
 
 def report(out: dict[str, Any]) -> None:

@@ -32,9 +32,9 @@ class ModelSide:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        """The tokenizer's end-of-sequence ids (the model's when it names none); Llama 3 lists several."""
-        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.arch.eos_token_id
-        return [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        from tokenslice.model.loader import eos_token_ids
+
+        return eos_token_ids(self.tokenizer, self.arch)
 
 
 def start_model(config: EngineConfig, host_tier: bool) -> ModelSide:

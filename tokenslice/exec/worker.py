@@ -17,12 +17,13 @@ tensor-parallel rank 0 answers with the sampled tokens.
 """
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -102,6 +103,13 @@ class WorkerSpec:
     result_address: str  # the executor's ZMQ PULL endpoint
 
 
+def _rank_grammars(model: Any) -> Any:
+    """model.grammar.Grammars of this rank's model (xgrammar loads with the first structured request)."""
+    from tokenslice.model.grammar import model_grammars
+
+    return model_grammars(model)
+
+
 class RankWorker:
     """One rank, apart from how plans reach it: joins the process group, loads its shard (and
     stage) and reports its `capacity`; `init_kv` builds the runner with the agreed sizes."""
@@ -151,6 +159,8 @@ class RankWorker:
                                   attention_backend=spec.model.attention_backend,
                                   kv_source=self.pool.source if sizes.kv_blocks == self.pool.blocks
                                   else "the smallest rank's pool")
+        # Structured outputs: this rank samples too, from grammars it compiles itself.
+        self.runner.sampler.grammar_source = functools.partial(_rank_grammars, spec.model)
 
     def execute(self, plan: StepPlan) -> StepResult:
         if self.runner is None:

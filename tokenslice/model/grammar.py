@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from tokenslice.config import ModelConfig
 from tokenslice.request import StructuredOutput
 
 # The JSON a small model writes is more reliable without free whitespace: between tokens it
@@ -102,6 +103,16 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(_reason(e)) from None
         raise GrammarError(f"unknown structured output kind {spec.kind!r}")
+
+
+def model_grammars(cfg: ModelConfig) -> Grammars:
+    """The grammars of the model `cfg` names, for a process that has not loaded its tokenizer
+    (a worker rank): loaded here, at the first structured request."""
+    from tokenslice.model.loader import eos_token_ids, load_arch, model_tokenizer
+
+    arch = load_arch(cfg)
+    tokenizer = model_tokenizer(cfg, arch)
+    return Grammars(lambda: tokenizer, arch.vocab_size, eos_token_ids(tokenizer, arch))
 
 
 class GrammarMasks:

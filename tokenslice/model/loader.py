@@ -233,6 +233,12 @@ def model_tokenizer(cfg: ModelConfig, arch: ArchConfig) -> Any:
     return tokenizer
 
 
+def eos_token_ids(tokenizer: Any, arch: ArchConfig) -> list[int]:
+    """The tokenizer's end-of-sequence ids (the model's when it names none); Llama 3 lists several."""
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else arch.eos_token_id
+    return [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+
+
 def load_tokenizer(path: str) -> Any:
     """The tokenizer of a model directory, a GGUF file (its metadata's), a known model or builtin:tiny."""
     from transformers import AutoTokenizer

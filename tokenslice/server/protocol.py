@@ -212,7 +212,8 @@ class SamplingFields(_Strict):
     guided_choice: list[Text] | None = Field(None, min_length=1,
                                              description="vLLM's older name of structured_outputs.choice")
     guided_grammar: Text | None = Field(None, description="vLLM's older name of structured_outputs.grammar")
-    guided_decoding_backend: Text | None = Field(None, description="xgrammar (or auto), the only backend")
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = Field(None, description="xgrammar (or auto), the "
+                                                                                      "only backend")
     priority: Hint = Field(0, description="lower runs first under --policy priority; other policies "
                                           "refuse anything but 0; change it later with "
                                           "POST /v1/requests/{id}/priority")

@@ -11,14 +11,8 @@ from tokenslice.request import StructuredOutput
 from tokenslice.server.errors import APIError
 from tokenslice.server.protocol import MAX_GRAMMAR_CHARS, SamplingFields
 
-BACKENDS = ("xgrammar", "auto")  # guided_decoding_backend values that mean the one backend here
-
-
 def structured_output(body: SamplingFields) -> StructuredOutput | None:
     """The request's grammar, or None for free text; 400 naming the field for a bad or second one."""
-    if body.guided_decoding_backend is not None and body.guided_decoding_backend not in BACKENDS:
-        raise APIError(400, f"guided_decoding_backend {body.guided_decoding_backend!r} is not available; this "
-                            f"server constrains outputs with xgrammar", param="guided_decoding_backend")
     found = [(param, spec) for param, spec in _asked(body) if spec is not None]
     if len(found) > 1:
         raise APIError(400, f"{found[1][0]}: only one structured-output constraint per request, and "
