@@ -8,7 +8,10 @@ sends them: the official `openai` SDK against `tokenslice serve`.
 3. Both again on a server under memory pressure that preempts and swaps (skip-join-mlfq,
    reactive-swap, a 48-block KV pool for 20 concurrent requests, batch 8), against the same server
    with room for all (batch 8, the default pool): how many outputs are identical, and the
-   preemptions and swap bytes the pressured server reports (/metrics).
+   preemptions and swap bytes the pressured server reports (/metrics). Once with the file's
+   int4/int8 weights (`--quantization auto`, the default), once dequantized (`none`): the
+   quantized linears switch kernels with a step's row count (model/quant.py, DENSE_MIN_ROWS), so
+   a step shaped differently by preemption may round differently; float32 steps do not.
 4. Grammar cost: the engine in-process, 16 requests decoding together (greedy), each step timed;
    once free, once every request with a JSON schema: the mean decode step time of 16-row steps,
    and the time inside the grammar work (mask fill + apply + accept) per step.
@@ -60,6 +63,7 @@ TOOLS = [
 PRESSURE = ["--policy", "skip-join-mlfq", "--preemption", "reactive-swap", "--kv-cache-blocks", "48",
             "--max-batch-size", "8", "--stall-guard", "off"]
 ROOMY = ["--max-batch-size", "8"]
+EXACT = ["--quantization", "none"]
 
 
 class Character(pydantic.BaseModel):
@@ -173,14 +177,15 @@ def report(res: dict[str, Any]) -> None:
     print(f"## Structured outputs and tool calls, {MODEL} ({res['machine']}, {res['date']})\n")
     print("| server | parse() parsed | required tool calls valid | preemptions | swap-out MiB |")
     print("|---|---|---|---|---|")
-    for name in ("roomy", "pressure"):
+    for name in ("roomy", "pressure", "roomy_exact", "pressure_exact"):
         r = res[name]
         c = r["counters"]
         print(f"| {name} ({' '.join(r['flags'])}) | {sum(x['parsed'] for x in r['parse'])}/20 | "
               f"{sum(x['valid'] for x in r['tools'])}/20 | {c.get('tokenslice:num_preemptions_total', 0):.0f} | "
               f"{c.get('tokenslice:kv_swap_out_bytes_total', 0) / 2**20:.1f} |")
-    same = res["identical"]
-    print(f"\noutputs identical under pressure: parse {same['parse']}/20, tools {same['tools']}/20")
+    for key, label in (("identical", "quantization auto"), ("identical_exact", "quantization none")):
+        same = res[key]
+        print(f"\noutputs identical under pressure ({label}): parse {same['parse']}/20, tools {same['tools']}/20")
     g = res["grammar"]
     print(f"\ngrammar cost, {g['rows']} rows decoding: free step {g['free']['mean_step_ms']:.2f} ms, "
           f"JSON-schema step {g['json_schema']['mean_step_ms']:.2f} ms ({100 * g['step_overhead']:+.1f}%); "
@@ -197,11 +202,12 @@ def main() -> None:
         return
     res: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"),
                            "machine": f"{os.cpu_count()}-CPU box, load average {os.getloadavg()[0]:.1f} at start"}
-    res["roomy"] = http_part(ROOMY)
-    res["pressure"] = http_part(PRESSURE)
-    res["identical"] = {
-        "parse": sum(x["text"] == y["text"] for x, y in zip(res["roomy"]["parse"], res["pressure"]["parse"])),
-        "tools": sum(x["calls"] == y["calls"] for x, y in zip(res["roomy"]["tools"], res["pressure"]["tools"]))}
+    for suffix, extra in (("", []), ("_exact", EXACT)):
+        roomy, pressure = http_part(ROOMY + extra), http_part(PRESSURE + extra)
+        res["roomy" + suffix], res["pressure" + suffix] = roomy, pressure
+        res["identical" + suffix] = {
+            "parse": sum(x["text"] == y["text"] for x, y in zip(roomy["parse"], pressure["parse"])),
+            "tools": sum(x["calls"] == y["calls"] for x, y in zip(roomy["tools"], pressure["tools"]))}
     res["grammar"] = grammar_cost()
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(res, indent=1))
