@@ -82,7 +82,7 @@ def test_positional_model_and_model_flag_must_agree() -> None:
     (["--download-dir", "/tmp"], "nothing is downloaded"),
     (["--no-enable-chunked-prefill"], "always chunked"),
     (["--kv-cache-dtype", "fp8"], "only auto is possible here"),
-    (["--data-parallel-size", "2"], "one engine per server"),
+    (["--api-server-count", "2"], "one API server process"),
 ])
 def test_vllm_flags_without_a_meaning_here_fail_saying_why(argv: list[str], why: str,
                                                            capsys: pytest.CaptureFixture[str]) -> None:

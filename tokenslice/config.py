@@ -29,6 +29,8 @@ EMBED_DTYPES = ("auto", "float32", "bfloat16")  # the length predictor's encoder
 # mp (one worker process per rank, tensor- and pipeline-parallel, exec/multiproc.py), ray (one
 # Ray actor per rank, on one node or several, exec/ray_executor.py).
 EXECUTORS = ("auto", "uni", "mp", "ray")
+# How the API server places a request on one of --data-parallel-size engines (engine/router.py).
+ROUTERS = ("round-robin", "least-work", "prefix-aware")
 # The KV pool without a size (model/kv_pool.py): on CUDA this share of device memory for weights
 # and KV (vLLM's --gpu-memory-utilization default); on CPU this share of total RAM for the KV alone,
 # as a CPU decodes tens of streams, not thousands, in RAM shared with everything else.
@@ -264,10 +266,15 @@ class ParallelConfig:
     ray_address: str | None = None
     # executor ray, private cluster: run Ray's dashboard (on 127.0.0.1); off unless asked.
     ray_dashboard: bool = False
+    # Whole engines behind one API server (`serve` only), each its own process; a request goes to
+    # the one the router picks (engine/dp_client.py).
+    data_parallel_size: int = 1
+    router: str = field(default="least-work", metadata={"choices": ROUTERS})
 
     def validate(self) -> None:
         _check_choice("executor", self.executor, EXECUTORS)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        _check_choice("router", self.router, ROUTERS)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.executor == "uni" and self.world_size > 1:

@@ -169,6 +169,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_field_flag(p, ParallelConfig, "pipeline_layers", metavar="N,N,...",
                    help="layers per pipeline stage, first stage first (default: equal counts); the last stage "
                         "also computes the LM head")
+    add_field_flag(p, ParallelConfig, "data_parallel_size", "-dp",
+                   help="serve: run this many whole engines (each its own process, each with its own "
+                        "-tp x -pp ranks) behind one API server; the router places each request")
+    flag(ParallelConfig, "router",
+         help="data parallelism: how a request picks its engine: round-robin, least-work (the "
+              "fewest outstanding tokens) or prefix-aware (a conversation's next turn where its "
+              "prefix is cached, unless that engine is far busier)")
     flag(ParallelConfig, "executor", "--distributed-executor-backend",
          help="where the model runs: mp = one worker process per rank, "
               "ray = one Ray actor per rank, on one node or several "

@@ -53,7 +53,17 @@ def serve_app_from_args(a: argparse.Namespace) -> Any:
     config.scheduler.tenant_weights = keyring.tenant_weights()
     settings.cache_config_info = cache_info_labels(config.cache)
     engine: Any
-    if settings.engine_process:
+    if config.parallel.data_parallel_size > 1:
+        if not settings.engine_process:
+            raise ValueError("--data-parallel-size runs each engine in its own process: drop --no-engine-process")
+        from tokenslice.engine.dp_client import DataParallelClient
+
+        warming = warm_api_server(config)
+        engine = DataParallelClient(config, max_waiting=settings.max_waiting,
+                                    log_level=logging.getLogger().getEffectiveLevel(),
+                                    cpus=replica_cpu_plans(a, config.parallel.data_parallel_size))
+        warming.join()
+    elif settings.engine_process:
         from tokenslice.engine.core_client import EngineCoreClient
 
         warming = warm_api_server(config)
@@ -93,6 +103,19 @@ def cpu_plan_from_args(a: argparse.Namespace) -> Any:
     from tokenslice.engine.cpus import plan_cpus
 
     return plan_cpus(CpuConfig(a.api_server_cpus, a.engine_threads, a.pin_cpus))
+
+
+def replica_cpu_plans(a: argparse.Namespace, replicas: int) -> list[Any]:
+    """Each data-parallel replica's CPUs: the engine CPUs of the serve split dealt out in equal
+    shares (pinned as the split is), or all of them shared where there are fewer than replicas."""
+    from tokenslice.engine.cpus import CpuPlan
+
+    plan = cpu_plan_from_args(a)
+    cpus = plan.engine_cpus
+    if len(cpus) < replicas:
+        return [CpuPlan(plan.api_cpus, cpus, max(1, len(cpus) // replicas), False)] * replicas
+    share = len(cpus) // replicas
+    return [CpuPlan(plan.api_cpus, cpus[i * share:(i + 1) * share], share, plan.pin) for i in range(replicas)]
 
 
 def claim_server_cpus(a: argparse.Namespace) -> None:

@@ -29,7 +29,6 @@ ONLY_VALUES = (
     ("--load-format", ("auto", "safetensors", "gguf"), "weights load from safetensors files or a GGUF file, "
                                                        "as --model is"),
     ("--tokenizer-mode", ("auto", "hf"), "the model's Hugging Face tokenizer is used"),
-    ("--data-parallel-size", ("1",), "one engine per server; run several servers behind a load balancer"),
     ("--api-server-count", ("1",), "one API server process (the engine core runs in a process of its own)"),
     ("--response-role", ("assistant",), "chat replies always have the role assistant"),
     ("--chat-template-content-format", ("auto", "string"),

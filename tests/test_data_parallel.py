@@ -1,0 +1,93 @@
+"""Data parallelism (engine/dp_client.py, engine/router.py): `serve --data-parallel-size 2` runs
+two engine processes behind one API server; greedy outputs equal one engine's, requests spread
+over both, and a replica killed with SIGKILL leaves the server serving on the other."""
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import pytest
+
+from serverkit import HTTP_TIMEOUT_S, start_server, until
+from tokenslice import LLM, SamplingParams
+from tokenslice.engine.router import Router
+from tokenslice.request import EngineRequest
+
+PROMPTS = ["Once upon a time", "The dog", "Lily liked", "A big red", "Tom and", "The sun"]
+
+
+def _texts(srv) -> list[str]:
+    out = []
+    for p in PROMPTS:
+        r = httpx.post(srv.url("/v1/completions"), timeout=HTTP_TIMEOUT_S,
+                       json={"prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        out.append(r.json()["choices"][0]["text"])
+    return out
+
+
+def _replicas(srv) -> list[dict]:
+    return httpx.get(srv.url("/v1/state"), timeout=HTTP_TIMEOUT_S).json()["data_parallel"]["replicas"]
+
+
+def test_two_replicas_answer_as_one_and_share_the_requests() -> None:
+    with start_server("--kv-cache-blocks", "32") as one:
+        expected = _texts(one)
+    with start_server("--kv-cache-blocks", "32", "--data-parallel-size", "2", "--router", "round-robin") as srv:
+        assert _texts(srv) == expected
+        until(lambda: sum(r["routed"] for r in _replicas(srv)) == len(PROMPTS))
+        replicas = _replicas(srv)
+        assert [r["routed"] for r in replicas] == [3, 3] and all(r["alive"] for r in replicas)
+        assert len({r["pid"] for r in replicas}) == 2
+        metrics = httpx.get(srv.url("/metrics"), timeout=HTTP_TIMEOUT_S).text
+        assert "tokenslice:num_requests_running" in metrics
+
+
+def test_a_killed_replica_leaves_the_server_serving_on_the_other() -> None:
+    with start_server("--kv-cache-blocks", "32", "--data-parallel-size", "2", "--router", "least-work") as srv:
+        victim = _replicas(srv)[1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        until(lambda: not _replicas(srv)[1]["alive"])
+        assert len(_texts(srv)) == len(PROMPTS)  # every request goes to the live replica
+        # /v1/state is the latest periodic snapshot: the next one counts them.
+        until(lambda: _replicas(srv)[0]["routed"] >= len(PROMPTS))
+        assert _replicas(srv)[0]["alive"]
+        assert httpx.get(srv.url("/health"), timeout=HTTP_TIMEOUT_S).status_code == 200
+
+
+def test_the_offline_engine_is_one_replica() -> None:
+    with pytest.raises(ValueError, match="tokenslice serve"):
+        LLM("builtin:tiny", data_parallel_size=2)
+
+
+def _req(rid: str, ids: list[int], max_tokens: int = 10) -> EngineRequest:
+    return EngineRequest(rid, ids, SamplingParams(max_tokens=max_tokens))
+
+
+def test_least_work_counts_outstanding_tokens() -> None:
+    r = Router("least-work", 2)
+    big = _req("a", list(range(100)), 100)
+    r.place(big, r.choose(big))
+    small = _req("b", [1, 2], 5)
+    assert r.choose(small) == 1  # replica 0 holds 200 tokens of work
+    r.place(small, 1)
+    r.produced("a", 1)  # the prompt is done: 99 tokens of output left
+    assert r.work == [99, 7]
+    r.finished("a")
+    assert r.work == [0, 7] and r.choose(_req("c", [1])) == 0
+
+
+def test_prefix_aware_sends_a_conversation_home_unless_it_is_far_busier() -> None:
+    r = Router("prefix-aware", 2)
+    turn1 = _req("t1", list(range(40)))
+    r.place(turn1, 1)
+    turn2 = _req("t2", list(range(40)) + [7] * 30)  # 70 tokens, 64 of them shared with turn 1's prefix
+    assert r.choose(turn2) == 1  # home, although replica 0 is idle
+    other = _req("x", list(range(500, 570)))
+    assert r.choose(other) == 0  # no remembered prefix: least work
+    r.place(_req("load", list(range(5000)), 5000), 1)
+    assert r.choose(turn2) == 0  # home is far busier
+    assert r.remove(1) == ["t1", "load"] and r.live_replicas == [0]
+    with pytest.raises(RuntimeError):
+        r.remove(0) or r.choose(turn2)

@@ -1,0 +1,163 @@
+"""Data parallelism (`serve --data-parallel-size N`): N whole engines, each an engine core in a
+process of its own (engine/core_client.py), behind one API server. This client is the
+EngineClient the server drives: a request goes to the replica the router picks (engine/router.py)
+and stays there; an abort or a priority change goes to the replica holding the request.
+
+A replica that dies is removed: the router sends nothing more there, its started streams end with
+the engine's error, and the server keeps serving on the others; it is dead only when none is left.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from tokenslice.config import EngineConfig
+from tokenslice.engine.core_client import EngineCoreClient
+from tokenslice.engine.cpus import CpuPlan
+from tokenslice.engine.protocol import (EngineDeadError, EngineInfo, EngineStats, OutputObserver, RequestStream,
+                                        tokenize_prompt)
+from tokenslice.engine.router import Router
+from tokenslice.request import EngineRequest, RequestOutput
+from tokenslice.sched.stats import SchedulerStats
+
+log = logging.getLogger(__name__)
+
+
+class DataParallelClient:
+    def __init__(self, config: EngineConfig, *, max_waiting: int = 1024, log_level: int = logging.INFO,
+                 cpus: list[CpuPlan] | None = None) -> None:
+        """Start `config.parallel.data_parallel_size` engine cores (one after the other: each
+        loads the model) with `cpus[i]` for replica i; raises what EngineCoreClient raises."""
+        n = config.parallel.data_parallel_size
+        one = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_size=1))
+        self.observer: OutputObserver | None = None
+        self.on_dead: Callable[[], None] | None = None
+        self.router = Router(config.parallel.router, n)
+        self.replicas: list[EngineCoreClient] = []
+        try:
+            for i in range(n):
+                core = EngineCoreClient(one, max_waiting=max_waiting, log_level=log_level,
+                                        cpus=cpus[i] if cpus else None)
+                core.observer = self._observe
+                core.on_dead = lambda i=i: self._replica_died(i)
+                self.replicas.append(core)
+                log.info("data-parallel replica %d of %d: engine core process %d", i, n, core.pid)
+        except BaseException:
+            for core in self.replicas:
+                core._close()
+            raise
+        first = self.replicas[0]
+        self.info: EngineInfo = first.info
+        self.tokenizer: Any = first.tokenizer
+        self._streams: dict[str, int] = {}  # request id -> replica
+        # prefix-aware: each live request's prompt and answer so far (the next turn's prefix)
+        self._tokens: dict[str, list[int]] = {}
+
+    # ---- EngineClient ------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' snapshots summed (the scheduler counters too)."""
+        live = [c.stats for i, c in enumerate(self.replicas) if self.router.alive[i]] or [self.replicas[0].stats]
+        total = {f.name: sum(getattr(s, f.name) for s in live) for f in dataclasses.fields(EngineStats)
+                 if f.name != "scheduler"}
+        sched = {f.name: sum(getattr(s.scheduler, f.name) for s in live) for f in dataclasses.fields(SchedulerStats)
+                 if isinstance(getattr(live[0].scheduler, f.name), (int, float))}
+        return EngineStats(**total, scheduler=dataclasses.replace(live[0].scheduler, **sched))
+
+    @property
+    def is_alive(self) -> bool:
+        return any(c.is_alive for c in self.replicas)
+
+    @property
+    def num_queued(self) -> int:
+        return sum(c.num_queued for c in self.replicas)
+
+    def start(self) -> None:
+        for core in self.replicas:
+            core.start()
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(core.stop() for core in self.replicas))
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return tokenize_prompt(self.tokenizer, prompt)
+
+    async def add_request(self, request: EngineRequest) -> RequestStream:
+        try:
+            i = self.router.choose(request)
+        except RuntimeError:
+            raise EngineDeadError("no engine replica is running") from None
+        self.router.place(request, i)
+        self._streams[request.request_id] = i
+        if self.router.policy == "prefix-aware":
+            self._tokens[request.request_id] = list(request.prompt_token_ids)
+        try:
+            return await self.replicas[i].add_request(request)
+        except BaseException:
+            self._forget(request.request_id)
+            raise
+
+    def abort(self, stream: RequestStream) -> None:
+        i = self._streams.get(stream.request_id)
+        if i is not None:
+            self.replicas[i].abort(stream)
+            self._forget(stream.request_id)
+
+    async def set_priority(self, request_id: str, priority: int) -> bool:
+        i = self._streams.get(request_id)
+        if i is None:  # finished, or never here: as one engine answers for a request it does not hold
+            return await self.replicas[self.router.live_replicas[0] if self.router.live_replicas else 0
+                                       ].set_priority(request_id, priority)
+        return await self.replicas[i].set_priority(request_id, priority)
+
+    async def state(self) -> dict[str, Any]:
+        """The first live replica's snapshot, with every replica's under `replicas` (and the
+        router's view: outstanding tokens and requests placed)."""
+        states: list[dict[str, Any]] = []
+        for i, core in enumerate(self.replicas):
+            entry: dict[str, Any] = {"replica": i, "alive": self.router.alive[i] and core.is_alive,
+                                     "pid": core.pid, "outstanding_tokens": self.router.work[i],
+                                     "routed": self.router.routed[i]}
+            if entry["alive"]:
+                try:
+                    entry["state"] = await core.state()
+                except EngineDeadError:
+                    entry["alive"] = False
+            states.append(entry)
+        first = next((s["state"] for s in states if "state" in s), None)
+        if first is None:
+            raise EngineDeadError("no engine replica is running")
+        return first | {"data_parallel": {"size": len(self.replicas), "router": self.router.policy,
+                                          "replicas": states}}
+
+    # ---- replicas ------------------------------------------------------------------------------
+    def _observe(self, out: RequestOutput) -> None:
+        self.router.produced(out.request_id, len(out.new_token_ids))
+        seq = self._tokens.get(out.request_id)
+        if seq is not None:
+            seq.extend(out.new_token_ids)
+        if out.finished:
+            self._forget(out.request_id, complete=True)
+        if self.observer is not None:
+            self.observer(out)
+
+    def _forget(self, request_id: str, complete: bool = False) -> None:
+        self._streams.pop(request_id, None)
+        seq = self._tokens.pop(request_id, None)
+        self.router.finished(request_id, seq if complete else None)
+
+    def _replica_died(self, i: int) -> None:
+        if not self.router.alive[i]:
+            return
+        gone = self.router.remove(i)
+        for rid in gone:
+            self._streams.pop(rid, None)
+            self._tokens.pop(rid, None)
+        left = len(self.router.live_replicas)
+        log.error("data-parallel replica %d (engine core process %d) died with %d requests; %d replica(s) left",
+                  i, self.replicas[i].pid, len(gone), left)
+        if left == 0 and self.on_dead is not None:
+            self.on_dead()
