@@ -91,3 +91,23 @@ def test_prefix_aware_sends_a_conversation_home_unless_it_is_far_busier() -> Non
     assert r.remove(1) == ["t1", "load"] and r.live_replicas == [0]
     with pytest.raises(RuntimeError):
         r.remove(0) or r.choose(turn2)
+
+
+def test_the_simulator_runs_the_router_over_replicas() -> None:
+    from tokenslice.bench.workloads import make_workload
+    from tokenslice.config import SchedulerConfig
+    from tokenslice.predict.cost import load_cost_model
+    from tokenslice.sim.engine import simulated_engine
+    from tokenslice.sim.replicas import ReplicaSet
+
+    cost = load_cost_model("opt-13b@a100-40gb")
+    work = make_workload("synthetic-zipf", num_requests=40, rate=20.0, cv=4.0, seed=0, max_len=256)
+    done = {}
+    for router in ("round-robin", "least-work"):
+        engines = [simulated_engine(SchedulerConfig(max_batch_size=4), cost, kv_cache_blocks=512) for _ in range(2)]
+        reqs, placed = ReplicaSet(engines, Router(router, 2)).replay(work)
+        assert all(r.is_finished and r.num_output_tokens == w.output_len for r, w in zip(reqs, work, strict=True))
+        assert all(e.scheduler.kv.device.num_free == 512 for e in engines)
+        done[router] = placed
+    assert done["round-robin"] == [i % 2 for i in range(40)]  # trace order is arrival order here
+    assert sorted(set(done["least-work"])) == [0, 1]
