@@ -35,7 +35,7 @@ class DataParallelClient:
         one = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_size=1))
         self.observer: OutputObserver | None = None
         self.on_dead: Callable[[], None] | None = None
-        self.router = Router(config.parallel.router, n)
+        self.router = Router(config.parallel.router, n, slots=config.scheduler.max_batch_size)
         self.replicas: list[EngineCoreClient] = []
         try:
             for i in range(n):

@@ -5,12 +5,15 @@ request still has to compute (its prompt until its first token, then what is lef
 or of the length the predictor expects when one was given). Policies (`--router`):
 
 - round-robin: the next live replica in turn (the baseline).
-- least-work: the replica with the fewest outstanding tokens (ties: the lowest index).
+- least-work: a replica with a free batch slot first (a request that must wait for a slot waits
+  however little work is ahead of it: tokens alone would send it behind a batch of short
+  requests), then the fewest outstanding tokens, then the lowest index.
 - prefix-aware: a conversation's next turn goes where its earlier turns ran (their KV is in that
   replica's prefix cache): the prefixes of PREFIX_LENGTHS tokens of each placed prompt, and of
   prompt + answer once it finished, are remembered, and a new prompt goes home to the replica of
   its longest remembered prefix, unless that replica has more than OVERLOAD_FACTOR x the
-  least-loaded one's work (plus OVERLOAD_SLACK_TOKENS); otherwise least-work. (A long system
+  least-loaded one's work (plus OVERLOAD_SLACK_TOKENS) or no free slot where another has one;
+  otherwise least-work. (A long system
   prompt every conversation shares makes its replica everyone's home until it is busy enough:
   load, not the prefix, then decides, as in routers that match on prefixes and balance on load.)
 """
@@ -41,12 +44,15 @@ class Placement:
 
 
 class Router:
-    def __init__(self, policy: str, num_replicas: int) -> None:
+    def __init__(self, policy: str, num_replicas: int, slots: int | None = None) -> None:
+        """`slots`: requests one replica runs at once (its max batch size); None: unbounded."""
         if policy not in ("round-robin", "least-work", "prefix-aware"):
             raise ValueError(f"unknown router {policy!r}")
         self.policy = policy
+        self.slots = slots
         self.alive = [True] * num_replicas
         self.work = [0] * num_replicas  # outstanding tokens per replica
+        self.live = [0] * num_replicas  # requests placed and not finished
         self.routed = [0] * num_replicas  # requests placed, ever
         self._placed: dict[str, Placement] = {}
         self._turn = itertools.count()
@@ -64,19 +70,24 @@ class Router:
             raise RuntimeError("no engine replica is alive")
         if self.policy == "round-robin":
             return live[next(self._turn) % len(live)]
-        least = min(live, key=lambda i: (self.work[i], i))
+        least = min(live, key=lambda i: (self._waiting_if_added(i), self.work[i], i))
         if self.policy == "prefix-aware":
             home = self._home(request.prompt_token_ids)
             if home is not None and self.alive[home] and (
-                    self.work[home] <= OVERLOAD_FACTOR * self.work[least] + OVERLOAD_SLACK_TOKENS):
+                    self._waiting_if_added(home) <= self._waiting_if_added(least)
+                    and self.work[home] <= OVERLOAD_FACTOR * self.work[least] + OVERLOAD_SLACK_TOKENS):
                 return home
         return least
+
+    def _waiting_if_added(self, i: int) -> int:
+        return 0 if self.slots is None else max(0, self.live[i] + 1 - self.slots)
 
     def place(self, request: EngineRequest, replica: int) -> None:
         expected = request.predicted_output_tokens or request.params.max_tokens
         p = Placement(replica, len(request.prompt_token_ids), expected)
         self._placed[request.request_id] = p
         self.work[replica] += p.work
+        self.live[replica] += 1
         self.routed[replica] += 1
         self._remember(request.prompt_token_ids, replica)
 
@@ -116,6 +127,7 @@ class Router:
         p = self._placed.pop(request_id, None)
         if p is not None:
             self.work[p.replica] -= p.work
+            self.live[p.replica] -= 1
             if token_ids is not None and self.alive[p.replica]:
                 self._remember(token_ids, p.replica)
 
@@ -130,6 +142,7 @@ class Router:
         for rid in gone:
             self.finished(rid)
         self.work[replica] = 0
+        self.live[replica] = 0
         for key in [k for k, r in self._prefixes.items() if r == replica]:
             del self._prefixes[key]
         return gone
