@@ -78,6 +78,18 @@ def test_least_work_counts_outstanding_tokens() -> None:
     assert r.work == [0, 7] and r.choose(_req("c", [1])) == 0
 
 
+def test_least_work_puts_a_free_batch_slot_before_fewer_tokens() -> None:
+    def loaded(slots: int | None) -> Router:
+        r = Router("least-work", 2, slots=slots)
+        for rid in ("s1", "s2"):  # replica 0: a full batch of two short requests
+            r.place(_req(rid, [1], 2), 0)
+        r.place(_req("long", list(range(50)), 500), 1)  # replica 1: one long request, a slot free
+        return r
+    r = loaded(2)
+    assert r.work[0] < r.work[1] and r.choose(_req("new", [1])) == 1
+    assert loaded(None).choose(_req("new", [1])) == 0  # no batch size known: tokens alone
+
+
 def test_prefix_aware_sends_a_conversation_home_unless_it_is_far_busier() -> None:
     r = Router("prefix-aware", 2)
     turn1 = _req("t1", list(range(40)))
