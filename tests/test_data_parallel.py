@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import httpx
 import pytest
@@ -54,6 +55,43 @@ def test_a_killed_replica_leaves_the_server_serving_on_the_other() -> None:
         until(lambda: _replicas(srv)[0]["routed"] >= len(PROMPTS))
         assert _replicas(srv)[0]["alive"]
         assert httpx.get(srv.url("/health"), timeout=HTTP_TIMEOUT_S).status_code == 200
+
+
+def test_a_dead_replicas_unstarted_requests_run_on_another() -> None:
+    """Replica 1 is stopped (SIGSTOP), so the two requests round-robin gives it never start;
+    killed, it hands them to replica 0 on the streams their clients read: all four answer, as
+    one engine would."""
+    with start_server("--kv-cache-blocks", "32") as one:
+        expected = _texts(one)[:4]
+    with start_server("--kv-cache-blocks", "32", "--data-parallel-size", "2", "--router", "round-robin") as srv:
+        victim = _replicas(srv)[1]["pid"]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(_text, srv, p) for p in PROMPTS[:4]]
+                done, _ = wait(futures, timeout=HTTP_TIMEOUT_S, return_when=FIRST_COMPLETED)
+                assert done  # replica 0's answers come while replica 1 is stopped
+                os.kill(victim, signal.SIGKILL)
+                answers = [f.result(timeout=HTTP_TIMEOUT_S) for f in futures]
+        finally:
+            os.kill(victim, signal.SIGCONT) if _alive(victim) else None
+        assert answers == expected
+        until(lambda: httpx.get(srv.url("/v1/state"), timeout=HTTP_TIMEOUT_S).json()["data_parallel"]["rerouted"] == 2)
+
+
+def _text(srv, prompt: str) -> str:
+    r = httpx.post(srv.url("/v1/completions"), timeout=HTTP_TIMEOUT_S,
+                   json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def test_the_offline_engine_is_one_replica() -> None:

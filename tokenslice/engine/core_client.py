@@ -85,6 +85,9 @@ class EngineCoreClient(StreamAdmission):
         config.validate()
         self.observer = observer  # called in the event loop for every output of the core (metrics)
         self.on_dead: Callable[[], None] | None = None
+        # Data parallelism: offered each request this core had not started when it died; True
+        # if another core took it over (its stream then gets no error from here).
+        self.rescue: Callable[[str, RequestStream], bool] | None = None
         remove_stale_socket_dirs()  # those of servers killed with their cores
         self._dir = make_socket_dir()  # private: the ipc sockets live here
         self._ctx = zmq.Context()
@@ -198,6 +201,23 @@ class EngineCoreClient(StreamAdmission):
             self._outputs.forget(request.request_id)
             raise
         return await self._accepted(stream)
+
+    def adopt(self, request: EngineRequest, stream: RequestStream) -> None:
+        """Run a request that another core accepted and lost before its first output, on the
+        stream its client already reads (data parallelism). Raises EngineDeadError."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine core is not running")
+        frame = self._encode(AddRequest(request))
+        self._outputs.add(request.request_id, request.prompt_token_ids, request.params)
+        self._live[request.request_id] = stream
+        self._num_queued += 1
+        try:
+            self._send_frame(frame)
+        except EngineDeadError:
+            self._live.pop(request.request_id, None)
+            self._outputs.forget(request.request_id)
+            self._num_queued -= 1
+            raise
 
     def abort(self, stream: RequestStream) -> None:
         """Stop a request (its client left); the core frees its KV blocks before its next step."""
@@ -342,8 +362,13 @@ class EngineCoreClient(StreamAdmission):
         streams, self._live = self._live, {}
         for rid, stream in streams.items():
             self._outputs.forget(rid)
-            if not stream.finished:
-                self._put(stream, error)
+            if stream.finished:
+                continue
+            if stream.queued and self.rescue is not None and self.rescue(rid, stream):
+                self._unqueue(stream)
+                stream.queued = True  # counted again by the core that took it over
+                continue
+            self._put(stream, error)
         for future in [*self._priority_calls.values(), *self._state_calls.values()]:
             if not future.done():
                 future.set_exception(error)

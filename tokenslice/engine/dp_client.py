@@ -25,6 +25,8 @@ from tokenslice.sched.stats import SchedulerStats
 
 log = logging.getLogger(__name__)
 
+STATE_TIMEOUT_S = 5.0  # a replica's snapshot taking longer is left out of /v1/state
+
 
 class DataParallelClient:
     def __init__(self, config: EngineConfig, *, max_waiting: int = 1024, log_level: int = logging.INFO,
@@ -43,6 +45,7 @@ class DataParallelClient:
                                         cpus=cpus[i] if cpus else None)
                 core.observer = self._observe
                 core.on_dead = lambda i=i: self._replica_died(i)
+                core.rescue = lambda rid, stream, i=i: self._rescue(i, rid, stream)
                 self.replicas.append(core)
                 log.info("data-parallel replica %d of %d: engine core process %d", i, n, core.pid)
         except BaseException:
@@ -55,6 +58,9 @@ class DataParallelClient:
         self._streams: dict[str, int] = {}  # request id -> replica
         # prefix-aware: each live request's prompt and answer so far (the next turn's prefix)
         self._tokens: dict[str, list[int]] = {}
+        self._unstarted: dict[str, EngineRequest] = {}  # placed, no output yet: re-routed if their replica dies
+        self._dead: set[int] = set()
+        self.rerouted = 0
 
     # ---- EngineClient ------------------------------------------------------------------------
     @property
@@ -92,6 +98,7 @@ class DataParallelClient:
             raise EngineDeadError("no engine replica is running") from None
         self.router.place(request, i)
         self._streams[request.request_id] = i
+        self._unstarted[request.request_id] = request
         if self.router.policy == "prefix-aware":
             self._tokens[request.request_id] = list(request.prompt_token_ids)
         try:
@@ -122,20 +129,23 @@ class DataParallelClient:
                                      "pid": core.pid, "outstanding_tokens": self.router.work[i],
                                      "routed": self.router.routed[i]}
             if entry["alive"]:
-                try:
-                    entry["state"] = await core.state()
+                try:  # a replica that hangs must not hang the others' view
+                    entry["state"] = await asyncio.wait_for(core.state(), STATE_TIMEOUT_S)
                 except EngineDeadError:
                     entry["alive"] = False
+                except TimeoutError:
+                    entry["responding"] = False
             states.append(entry)
         first = next((s["state"] for s in states if "state" in s), None)
         if first is None:
             raise EngineDeadError("no engine replica is running")
         return first | {"data_parallel": {"size": len(self.replicas), "router": self.router.policy,
-                                          "replicas": states}}
+                                          "rerouted": self.rerouted, "replicas": states}}
 
     # ---- replicas ------------------------------------------------------------------------------
     def _observe(self, out: RequestOutput) -> None:
         self.router.produced(out.request_id, len(out.new_token_ids))
+        self._unstarted.pop(out.request_id, None)
         seq = self._tokens.get(out.request_id)
         if seq is not None:
             seq.extend(out.new_token_ids)
@@ -146,12 +156,37 @@ class DataParallelClient:
 
     def _forget(self, request_id: str, complete: bool = False) -> None:
         self._streams.pop(request_id, None)
+        self._unstarted.pop(request_id, None)
         seq = self._tokens.pop(request_id, None)
         self.router.finished(request_id, seq if complete else None)
 
+    def _rescue(self, i: int, request_id: str, stream: RequestStream) -> bool:
+        """Replica i died before `request_id` produced anything: run it on another live replica,
+        on the same stream. False (the stream ends with the engine's error) if none can take it."""
+        request = self._unstarted.get(request_id)
+        if request is None:
+            return False
+        self.router.alive[i] = False  # choose elsewhere (the rest of the cleanup: _replica_died)
+        try:
+            j = self.router.choose(request)
+        except RuntimeError:
+            return False
+        self.router.finished(request_id)
+        self.router.place(request, j)
+        self._streams[request_id] = j
+        try:
+            self.replicas[j].adopt(request, stream)
+        except EngineDeadError:
+            self._forget(request_id)
+            return False
+        self.rerouted += 1
+        log.warning("request %s: replica %d died before its first token; re-routed to replica %d", request_id, i, j)
+        return True
+
     def _replica_died(self, i: int) -> None:
-        if not self.router.alive[i]:
+        if i in self._dead:
             return
+        self._dead.add(i)
         gone = self.router.remove(i)
         for rid in gone:
             self._streams.pop(rid, None)

@@ -199,6 +199,8 @@ class StreamAdmission:
                 stream.accepted.set_result(None)
             else:
                 stream.accepted.set_exception(error)
+        elif error is not None and not stream.finished:  # an adopted request (EngineCoreClient.adopt)
+            stream._queue.put_nowait(error)
 
     def _put(self, stream: RequestStream, item: RequestOutput | BaseException) -> None:
         self._unqueue(stream)
