@@ -88,6 +88,7 @@ class EngineCoreClient(StreamAdmission):
         # Data parallelism: offered each request this core had not started when it died; True
         # if another core took it over (its stream then gets no error from here).
         self.rescue: Callable[[str, RequestStream], bool] | None = None
+        self.name = "the engine core"  # in errors ("data-parallel replica 1's engine core")
         remove_stale_socket_dirs()  # those of servers killed with their cores
         self._dir = make_socket_dir()  # private: the ipc sockets live here
         self._ctx = zmq.Context()
@@ -347,7 +348,7 @@ class EngineCoreClient(StreamAdmission):
         self._loop.remove_reader(self.process.sentinel)
         if not self._stopping:
             self.process.join(0)
-            self._die(f"the engine core process exited with code {self.process.exitcode}")
+            self._die(f"{self.name} process exited with code {self.process.exitcode}")
 
     def _die(self, reason: str) -> None:
         if self._dead or self._stopping:

@@ -46,6 +46,7 @@ class DataParallelClient:
                 core.observer = self._observe
                 core.on_dead = lambda i=i: self._replica_died(i)
                 core.rescue = lambda rid, stream, i=i: self._rescue(i, rid, stream)
+                core.name = f"data-parallel replica {i}'s engine core"
                 self.replicas.append(core)
                 log.info("data-parallel replica %d of %d: engine core process %d", i, n, core.pid)
         except BaseException:
