@@ -43,6 +43,8 @@ def test_two_replicas_answer_as_one_and_share_the_requests() -> None:
         assert len({r["pid"] for r in replicas}) == 2
         metrics = httpx.get(srv.url("/metrics"), timeout=HTTP_TIMEOUT_S).text
         assert "tokenslice:num_requests_running" in metrics
+        for i in (0, 1):
+            assert f'tokenslice:dp_replica_alive{{model_name="builtin:tiny",replica="{i}"}} 1.0' in metrics
 
 
 def test_a_killed_replica_leaves_the_server_serving_on_the_other() -> None:

@@ -143,6 +143,11 @@ class DataParallelClient:
         return first | {"data_parallel": {"size": len(self.replicas), "router": self.router.policy,
                                           "rerouted": self.rerouted, "replicas": states}}
 
+    def replica_stats(self) -> list[tuple[bool, int, EngineStats]]:
+        """Per replica: alive, outstanding tokens (the router's count) and its latest snapshot."""
+        return [(self.router.alive[i] and core.is_alive, self.router.work[i], core.stats)
+                for i, core in enumerate(self.replicas)]
+
     # ---- replicas ------------------------------------------------------------------------------
     def _observe(self, out: RequestOutput) -> None:
         self.router.produced(out.request_id, len(out.new_token_ids))

@@ -41,10 +41,12 @@ REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0
 class _StatsCollector(Collector):
     """Gauges and engine-wide counters from the latest EngineStats snapshot."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], queued: Callable[[], int]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], queued: Callable[[], int],
+                 replicas: Callable[[], list[tuple[bool, int, EngineStats]]] | None = None) -> None:
         self.model_name = model_name
         self.stats = stats
         self.queued = queued
+        self.replicas = replicas  # data parallelism: each replica's (alive, outstanding tokens, stats)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=LABELS)
@@ -96,6 +98,23 @@ class _StatsCollector(Collector):
         yield self._counter("tokenslice:engine_steps", "Engine steps taken (the live view shows the same number).",
                             s.num_steps)
         yield self._counter("tokenslice:engine_faults", "Engine steps that raised.", s.num_faults)
+        if self.replicas is not None:
+            yield from self._replica_gauges(self.replicas())
+
+    def _replica_gauges(self, replicas: list[tuple[bool, int, EngineStats]]) -> Iterator[Metric]:
+        """--data-parallel-size: each replica's series, labelled by its index (the others sum them)."""
+        series = [("tokenslice:dp_replica_alive", "1 while the replica's engine runs.", lambda a, w, s: float(a)),
+                  ("tokenslice:dp_replica_outstanding_tokens", "Tokens the router counts as left to compute.",
+                   lambda a, w, s: w),
+                  ("tokenslice:dp_replica_running", "Requests in the replica's batch.", lambda a, w, s: s.num_running),
+                  ("tokenslice:dp_replica_waiting", "Requests waiting in the replica.", lambda a, w, s: s.num_waiting),
+                  ("tokenslice:dp_replica_kv_cache_usage_perc", "Fraction of the replica's device KV blocks in use.",
+                   lambda a, w, s: s.device_blocks_used / s.device_blocks_total if s.device_blocks_total else 0.0)]
+        for name, doc, value in series:
+            g = GaugeMetricFamily(name, doc, labels=[*LABELS, "replica"])
+            for i, (alive, work, st) in enumerate(replicas):
+                g.add_metric([self.model_name, str(i)], value(alive, work, st))
+            yield g
 
 
 def user_label(user: str) -> str:
@@ -110,7 +129,8 @@ def user_label(user: str) -> str:
 
 class ServerMetrics:
     def __init__(self, model_name: str, stats: Callable[[], EngineStats], queued: Callable[[], int],
-                 tenants: tuple[str, ...] = ()) -> None:
+                 tenants: tuple[str, ...] = (),
+                 replicas: Callable[[], list[tuple[bool, int, EngineStats]]] | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
@@ -153,7 +173,7 @@ class ServerMetrics:
         self._tenant_series = {t: (self.tenant_prompt_tokens.labels(model_name, t),
                                    self.tenant_generation_tokens.labels(model_name, t),
                                    self.tenant_e2e.labels(model_name, t)) for t in tenants}
-        r.register(_StatsCollector(model_name, stats, queued))
+        r.register(_StatsCollector(model_name, stats, queued, replicas))
         # The model-labelled series, looked up once: observe runs for every token of every stream.
         m = model_name
         self._generation_tokens, self._prompt_tokens = self.generation_tokens.labels(m), self.prompt_tokens.labels(m)

@@ -37,7 +37,8 @@ class Server:
         self.keyring = load_keyring(settings.api_keys, settings.api_key)
         self.tenants = TenantBook()
         self.metrics = ServerMetrics(settings.served_model_name, lambda: self.async_engine.stats,
-                                     lambda: self.async_engine.num_queued, tenants=self.keyring.tenant_names)
+                                     lambda: self.async_engine.num_queued, tenants=self.keyring.tenant_names,
+                                     replicas=getattr(engine, "replica_stats", None))
         self.vllm_metrics = VllmMetrics(self.metrics.registry, settings.served_model_name, self.info.max_model_len,
                                         lambda: self.async_engine.stats, settings.cache_config_info)
         self.async_engine.observer = self.observe
