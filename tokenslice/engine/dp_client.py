@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tokenslice.config import EngineConfig
@@ -31,28 +32,29 @@ STATE_TIMEOUT_S = 5.0  # a replica's snapshot taking longer is left out of /v1/s
 class DataParallelClient:
     def __init__(self, config: EngineConfig, *, max_waiting: int = 1024, log_level: int = logging.INFO,
                  cpus: list[CpuPlan] | None = None) -> None:
-        """Start `config.parallel.data_parallel_size` engine cores (one after the other: each
-        loads the model) with `cpus[i]` for replica i; raises what EngineCoreClient raises."""
+        """Start `config.parallel.data_parallel_size` engine cores at once (each loads the model in
+        its own process) with `cpus[i]` for replica i; raises what EngineCoreClient raises."""
         n = config.parallel.data_parallel_size
         one = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_size=1))
         self.observer: OutputObserver | None = None
         self.on_dead: Callable[[], None] | None = None
         self.router = Router(config.parallel.router, n, slots=config.scheduler.max_batch_size)
-        self.replicas: list[EngineCoreClient] = []
-        try:
-            for i in range(n):
-                core = EngineCoreClient(one, max_waiting=max_waiting, log_level=log_level,
-                                        cpus=cpus[i] if cpus else None)
-                core.observer = self._observe
-                core.on_dead = lambda i=i: self._replica_died(i)
-                core.rescue = lambda rid, stream, i=i: self._rescue(i, rid, stream)
-                core.name = f"data-parallel replica {i}'s engine core"
-                self.replicas.append(core)
-                log.info("data-parallel replica %d of %d: engine core process %d", i, n, core.pid)
-        except BaseException:
-            for core in self.replicas:
-                core._close()
-            raise
+        with ThreadPoolExecutor(n, thread_name_prefix="tokenslice-dp-start") as pool:
+            starts = [pool.submit(EngineCoreClient, one, max_waiting=max_waiting, log_level=log_level,
+                                  cpus=cpus[i] if cpus else None) for i in range(n)]
+        failed = [f.exception() for f in starts if f.exception() is not None]
+        if failed:
+            for f in starts:
+                if f.exception() is None:
+                    f.result()._close()
+            raise failed[0]
+        self.replicas: list[EngineCoreClient] = [f.result() for f in starts]
+        for i, core in enumerate(self.replicas):
+            core.observer = self._observe
+            core.on_dead = lambda i=i: self._replica_died(i)
+            core.rescue = lambda rid, stream, i=i: self._rescue(i, rid, stream)
+            core.name = f"data-parallel replica {i}'s engine core"
+            log.info("data-parallel replica %d of %d: engine core process %d", i, n, core.pid)
         first = self.replicas[0]
         self.info: EngineInfo = first.info
         self.tokenizer: Any = first.tokenizer
