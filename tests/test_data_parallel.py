@@ -12,6 +12,8 @@ import pytest
 
 from serverkit import HTTP_TIMEOUT_S, start_server, until
 from tokenslice import LLM, SamplingParams
+from tokenslice.config import EngineConfig
+from tokenslice.engine.engine import Engine
 from tokenslice.engine.router import Router
 from tokenslice.request import EngineRequest
 
@@ -96,9 +98,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_the_offline_engine_is_one_replica() -> None:
-    with pytest.raises(ValueError, match="tokenslice serve"):
-        LLM("builtin:tiny", data_parallel_size=2)
+def test_the_offline_api_runs_replicas_too() -> None:
+    prompts = ["Once upon a time", "The dog", "Lily liked", "A big red"]
+    sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with LLM("builtin:tiny", kv_cache_blocks=32) as one:
+        expected = [(o.text, o.token_ids) for o in one.generate(prompts, sp)]
+    with LLM("builtin:tiny", kv_cache_blocks=32, data_parallel_size=2, router="round-robin") as llm:
+        outs = llm.generate(prompts, sp)
+        assert [(o.text, o.token_ids) for o in outs] == expected
+        assert all(o.finish_reason == "length" for o in outs)
+        assert llm.replicas is not None and llm.replicas.client.router.routed == [2, 2]
+    with pytest.raises(ValueError, match="an Engine is one replica"):
+        Engine.from_config(EngineConfig.from_options(model="builtin:tiny", data_parallel_size=2))
 
 
 def _req(rid: str, ids: list[int], max_tokens: int = 10) -> EngineRequest:

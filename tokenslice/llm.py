@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenslice.config import EngineConfig, ModelConfig
+from tokenslice.engine.dp_llm import DataParallelLLM
 from tokenslice.engine.engine import Engine
 from tokenslice.request import CompletionOutput, SamplingParams
 
@@ -21,7 +22,8 @@ class LLM:
     - scheduler: policy, preemption, max_batch_size, max_tokens_per_step, mlfq_quantum_ratio,
       mlfq_num_queues, starvation_limit_s, slo_normalized_latency, burst_reserve_jobs,
       burst_reserve_queues, eviction_amortization, srpt_aging, length_predictor;
-    - parallel: tensor_parallel_size, pipeline_parallel_size, executor (auto | uni | mp);
+    - parallel: tensor_parallel_size, pipeline_parallel_size, executor (auto | uni | mp),
+      data_parallel_size and router (N engine processes, as `serve -dp N`; `engine` is then absent);
     - profile: the policies' cost model (model@hardware or a `tokenslice profile` JSON).
 
     An unknown keyword raises TypeError.
@@ -32,18 +34,27 @@ class LLM:
             self.config = EngineConfig.from_options(model=model, **options)
         except TypeError as e:
             raise TypeError(f"LLM(): {e}") from None
-        self.engine = Engine.from_config(self.config)
+        self.replicas: DataParallelLLM | None = None
+        if self.config.parallel.data_parallel_size > 1:  # engine processes, as `serve -dp N` runs them
+            self.replicas = DataParallelLLM(self.config)
+        else:
+            self.engine = Engine.from_config(self.config)
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.replicas.tokenizer if self.replicas is not None else self.engine.tokenizer
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
+        if self.replicas is not None:
+            return self.replicas.generate(prompts, params)
         return self.engine.generate(prompts, params)
 
     def close(self) -> None:
-        self.engine.close()
+        if self.replicas is not None:
+            self.replicas.close()
+        else:
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self

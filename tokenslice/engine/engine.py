@@ -100,8 +100,8 @@ class Engine:
     def from_config(cls, config: EngineConfig) -> Engine:
         config.validate()
         if config.parallel.data_parallel_size > 1:
-            raise ValueError("data_parallel_size > 1 runs in `tokenslice serve` (one engine process per replica, "
-                             "behind one API server); an Engine or LLM is one replica")
+            raise ValueError("data_parallel_size > 1 runs one engine process per replica (`tokenslice serve`, "
+                             "LLM); an Engine is one replica")
         swapping = PREEMPTION_STRATEGIES[config.scheduler.preemption].uses_host_tier
         side = start_model(config, swapping)
         try:  # the workers must not outlive a failed start
