@@ -19,7 +19,7 @@ from conftest import STORIES
 from serverkit import HTTP_TIMEOUT_S, RunningServer, start_server
 from waves import LONG, PRESSURE, SHORT, run_waves
 from tokenslice import LLM, SamplingParams
-from tokenslice.request import InvalidRequestError, StructuredOutput
+from tokenslice.request import EngineRequest, InvalidRequestError, StructuredOutput
 
 # Names bounded by a pattern: xgrammar 0.2.9's rule for maxLength also lets raw control characters
 # into a string, which a random model picks and JSON refuses.
@@ -180,3 +180,18 @@ def test_null_structured_fields_mean_free_text(srv: RunningServer) -> None:
              "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None}
     assert _post(srv, nulls).status_code == 200
     assert _post(srv, {"response_format": {"type": "text"}}).status_code == 200
+
+
+def test_a_requests_own_delivery_rate_reaches_the_scheduler_on_both_paths() -> None:
+    """`tokenslice.delivery_rate` (the stall guard's reader pace) is the request's, whether it joins
+    the scheduler at once or after its grammar compiled in the queue."""
+    with LLM(str(STORIES), kv_cache_blocks=64) as llm:
+        engine = llm.engine
+        engine.grammar_queue.submit_wait_s = 0.0
+        engine.add(EngineRequest("free", [1, 5, 9], SamplingParams(max_tokens=2), delivery_rate=3.0))
+        engine.add(EngineRequest("json", [1, 5, 9], _params(StructuredOutput("json_object"), max_tokens=2),
+                                 delivery_rate=7.0))
+        assert engine.scheduler.requests["free"].delivery_rate == 3.0 and "json" not in engine.scheduler.requests
+        while "json" not in engine.scheduler.requests:
+            engine.step()
+        assert engine.scheduler.requests["json"].delivery_rate == 7.0

@@ -225,8 +225,9 @@ class Engine:
         req.prefix_leader = new.prefix_leader
         if self.lengths is not None and self.tokenizer is not None:
             self.lengths.predict(req, new.prompt_text)
-        if params.structured is None or self.grammar_queue is None or self.grammar_queue.submit(req, now):
-            self.scheduler.add(req, now)
+        if (params.structured is None or self.grammar_queue is None
+                or self.grammar_queue.submit(req, now, new.delivery_rate)):
+            self.scheduler.add(req, now, new.delivery_rate)
         if self._text is not None and self.detokenize:
             self._text.add(req.request_id, ids, params)
         return req
@@ -258,8 +259,8 @@ class Engine:
         idle = not self.scheduler.has_unfinished() and not self._pipe
         admitted, failed = self.grammar_queue.ready(self.clock.now(), wait_s=0.01 if idle else 0.0)
         now = self.clock.now()
-        for req in admitted:
-            self.scheduler.add(req, now)
+        for req, delivery_rate in admitted:
+            self.scheduler.add(req, now, delivery_rate)
         self._failed.update(failed)
 
     def forget_outputs(self, request_id: str) -> None:

@@ -25,6 +25,7 @@ class PendingGrammar:
     request: Request
     future: cf.Future
     deadline: float  # clock time: past it, the request fails
+    delivery_rate: float | None  # the request's own reader pace, for Scheduler.add
 
 
 class GrammarQueue:
@@ -46,7 +47,7 @@ class GrammarQueue:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def submit(self, req: Request, now: float) -> bool:
+    def submit(self, req: Request, now: float, delivery_rate: float | None = None) -> bool:
         """Start compiling `req`'s grammar; True when it is compiled already (admit it now).
         Raises InvalidRequestError for a grammar that does not compile."""
         from tokenslice.model.grammar import GrammarError
@@ -61,22 +62,23 @@ class GrammarQueue:
                 pass
             except GrammarError as e:
                 raise InvalidRequestError(f"structured output: {e}", "structured") from None
-        self._pending[req.request_id] = PendingGrammar(req, future, now + self.compile_limit_s)
+        self._pending[req.request_id] = PendingGrammar(req, future, now + self.compile_limit_s, delivery_rate)
         return False
 
-    def ready(self, now: float, wait_s: float = 0.0) -> tuple[list[Request], dict[str, str]]:
-        """Requests whose grammar compiled (to admit), and those that failed with why. `wait_s`:
-        wait that long for a compile to end (an engine with nothing else to do)."""
+    def ready(self, now: float, wait_s: float = 0.0) -> tuple[list[tuple[Request, float | None]], dict[str, str]]:
+        """Requests whose grammar compiled (to admit, with their delivery rates), and those that
+        failed with why. `wait_s`: wait that long for a compile to end (an engine with nothing
+        else to do)."""
         if wait_s > 0 and self._pending:
             cf.wait([p.future for p in self._pending.values()], timeout=wait_s, return_when=cf.FIRST_COMPLETED)
-        admitted: list[Request] = []
+        admitted: list[tuple[Request, float | None]] = []
         failed: dict[str, str] = {}
         for rid, p in list(self._pending.items()):
             if p.future.done():
                 del self._pending[rid]
                 error = p.future.exception()
                 if error is None:
-                    admitted.append(p.request)
+                    admitted.append((p.request, p.delivery_rate))
                 else:
                     failed[rid] = f"structured output: {error}"
             elif now >= p.deadline:
