@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from tokenslice.request import StructuredOutput
 # The JSON a small model writes is more reliable without free whitespace: between tokens it
 # would be allowed any run of spaces and newlines, and some models never leave such a run.
 JSON_SEPARATORS = (", ", ": ")
+MAX_COMPILED = 256  # compiled grammars kept per tokenizer (most recently used)
 
 
 class GrammarError(ValueError):
@@ -65,14 +67,17 @@ def _reason(e: Exception) -> str:
 
 
 class Grammars:
-    """Compiled grammars for one tokenizer, cached by StructuredOutput. The tokenizer's vocabulary
-    index (a second or two for 50k tokens) is built at the first compile, not at start-up."""
+    """Compiled grammars for one tokenizer: `grammar_of` each spec, compiled against the
+    tokenizer, the most recent MAX_COMPILED kept by StructuredOutput (a stream of distinct
+    schemas cannot grow the cache without bound). The tokenizer's vocabulary index (a second or
+    two for 50k tokens) is built at the first compile, not at start-up."""
 
     def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
+        self._compiled: OrderedDict[StructuredOutput, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()  # the engine's compile thread and the sampler may both ask
 
     def _ready(self) -> xgr.GrammarCompiler:
@@ -81,28 +86,27 @@ class Grammars:
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer(), vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids or None)
                 # One thread: compiles run beside the step loop, whose compute threads need the cores.
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+                # The cache is ours (bounded, keyed by spec), not xgrammar's (unbounded by default).
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         """Raises GrammarError for a grammar xgrammar refuses."""
         compiler = self._ready()
+        with self._lock:
+            if spec in self._compiled:
+                self._compiled.move_to_end(spec)
+                return self._compiled[spec]
+        grammar = grammar_of(spec)
         try:
-            if spec.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
-            if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.spec, any_whitespace=False, separators=JSON_SEPARATORS)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.spec)
-            if spec.kind == "choice":
-                return compiler.compile_grammar(choice_ebnf(json.loads(spec.spec)))
-            if spec.kind == "grammar":
-                return compiler.compile_grammar(spec.spec)
-            if spec.kind == "structural_tag":
-                return compiler.compile_structural_tag(spec.spec)
+            compiled = compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(_reason(e)) from None
-        raise GrammarError(f"unknown structured output kind {spec.kind!r}")
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
+        return compiled
 
 
 def model_grammars(cfg: ModelConfig) -> Grammars:
