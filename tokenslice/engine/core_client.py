@@ -190,34 +190,27 @@ class EngineCoreClient(StreamAdmission):
         """Send a request to the core; returns once the engine accepted it. Raises what
         AsyncEngine.add_request raises (InvalidRequestError, EngineOverloadedError, EngineDeadError)."""
         stream = self._new_stream(request.request_id)
-        if not self.is_alive:
-            raise EngineDeadError("the engine core is not running")
-        frame = self._encode(AddRequest(request))
-        self._outputs.add(request.request_id, request.prompt_token_ids, request.params)
-        self._live[request.request_id] = stream
-        try:
-            self._send_frame(frame)
-        except EngineDeadError:
-            self._live.pop(request.request_id, None)
-            self._outputs.forget(request.request_id)
-            raise
+        self._hand_over(request, stream)
         return await self._accepted(stream)
 
     def adopt(self, request: EngineRequest, stream: RequestStream) -> None:
         """Run a request that another core accepted and lost before its first output, on the
         stream its client already reads (data parallelism). Raises EngineDeadError."""
+        self._hand_over(request, stream)
+        self._num_queued += 1  # waiting for its first output here now
+
+    def _hand_over(self, request: EngineRequest, stream: RequestStream) -> None:
+        """Send the request to the core, its outputs to go to `stream`; EngineDeadError if it cannot."""
         if not self.is_alive:
             raise EngineDeadError("the engine core is not running")
         frame = self._encode(AddRequest(request))
         self._outputs.add(request.request_id, request.prompt_token_ids, request.params)
         self._live[request.request_id] = stream
-        self._num_queued += 1
         try:
             self._send_frame(frame)
         except EngineDeadError:
             self._live.pop(request.request_id, None)
             self._outputs.forget(request.request_id)
-            self._num_queued -= 1
             raise
 
     def abort(self, stream: RequestStream) -> None:

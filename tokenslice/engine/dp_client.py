@@ -58,7 +58,6 @@ class DataParallelClient:
         first = self.replicas[0]
         self.info: EngineInfo = first.info
         self.tokenizer: Any = first.tokenizer
-        self._streams: dict[str, int] = {}  # request id -> replica
         # prefix-aware: each live request's prompt and answer so far (the next turn's prefix)
         self._tokens: dict[str, list[int]] = {}
         self._unstarted: dict[str, EngineRequest] = {}  # placed, no output yet: re-routed if their replica dies
@@ -99,8 +98,7 @@ class DataParallelClient:
             i = self.router.choose(request)
         except RuntimeError:
             raise EngineDeadError("no engine replica is running") from None
-        self.router.place(request, i)
-        self._streams[request.request_id] = i
+        self.router.place(request, i)  # the router knows each request's replica from here on
         self._unstarted[request.request_id] = request
         if self.router.policy == "prefix-aware":
             self._tokens[request.request_id] = list(request.prompt_token_ids)
@@ -111,13 +109,13 @@ class DataParallelClient:
             raise
 
     def abort(self, stream: RequestStream) -> None:
-        i = self._streams.get(stream.request_id)
+        i = self.router.replica_of(stream.request_id)
         if i is not None:
             self.replicas[i].abort(stream)
             self._forget(stream.request_id)
 
     async def set_priority(self, request_id: str, priority: int) -> bool:
-        i = self._streams.get(request_id)
+        i = self.router.replica_of(request_id)
         if i is None:  # finished, or never here: as one engine answers for a request it does not hold
             return await self.replicas[self.router.live_replicas[0] if self.router.live_replicas else 0
                                        ].set_priority(request_id, priority)
@@ -163,7 +161,6 @@ class DataParallelClient:
             self.observer(out)
 
     def _forget(self, request_id: str, complete: bool = False) -> None:
-        self._streams.pop(request_id, None)
         self._unstarted.pop(request_id, None)
         seq = self._tokens.pop(request_id, None)
         self.router.finished(request_id, seq if complete else None)
@@ -181,7 +178,6 @@ class DataParallelClient:
             return False
         self.router.finished(request_id)
         self.router.place(request, j)
-        self._streams[request_id] = j
         try:
             self.replicas[j].adopt(request, stream)
         except EngineDeadError:
@@ -197,8 +193,8 @@ class DataParallelClient:
         self._dead.add(i)
         gone = self.router.remove(i)
         for rid in gone:
-            self._streams.pop(rid, None)
             self._tokens.pop(rid, None)
+            self._unstarted.pop(rid, None)
         left = len(self.router.live_replicas)
         log.error("data-parallel replica %d (engine core process %d) died with %d requests; %d replica(s) left",
                   i, self.replicas[i].pid, len(gone), left)
