@@ -142,6 +142,19 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def prompts_with_params(prompts: str | list[str] | list[int] | list[list[int]],
+                        params: SamplingParams | list[SamplingParams] | None
+                        ) -> tuple[list[str | list[int]], list[SamplingParams]]:
+    """`generate`'s arguments as one list of prompts (one text or one token list is a single
+    prompt) and one SamplingParams per prompt (one for all, or the default)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]  # type: ignore[list-item]
+    plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+    if len(plist) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+    return list(prompts), plist  # type: ignore[arg-type]
+
+
 def sampling_default(name: str) -> Any:
     """The default of SamplingParams' field `name` (a new list or dict for those fields)."""
     f = next(f for f in fields(SamplingParams) if f.name == name)

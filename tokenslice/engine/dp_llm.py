@@ -10,7 +10,7 @@ from typing import Any
 
 from tokenslice.config import EngineConfig
 from tokenslice.engine.dp_client import DataParallelClient
-from tokenslice.request import CompletionOutput, EngineRequest, RequestMetrics, SamplingParams
+from tokenslice.request import CompletionOutput, EngineRequest, RequestMetrics, SamplingParams, prompts_with_params
 
 
 class DataParallelLLM:
@@ -32,12 +32,7 @@ class DataParallelLLM:
     def generate(self, prompts: str | list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[CompletionOutput]:
         """As Engine.generate: every prompt run to completion, results in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
-        return self._call(self._all(list(zip(prompts, plist, strict=True))))
+        return self._call(self._all(list(zip(*prompts_with_params(prompts, params), strict=True))))
 
     async def _all(self, work: list[tuple[str | list[int], SamplingParams]]) -> list[CompletionOutput]:
         return list(await asyncio.gather(*(self._one(p, sp) for p, sp in work)))

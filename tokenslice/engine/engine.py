@@ -31,7 +31,7 @@ from tokenslice.plan import StepPlan, StepResult
 from tokenslice.predict.cost import load_cost_model
 from tokenslice.predict.online import OnlineLengthPredictor, auto_predictor_dir
 from tokenslice.request import (CompletionOutput, EngineRequest, InvalidRequestError, Request, RequestOutput,
-                                SamplingParams, TokenLogprobs)
+                                SamplingParams, TokenLogprobs, prompts_with_params)
 from tokenslice.sched.registry import PREEMPTION_STRATEGIES, make_policy
 from tokenslice.sched.scheduler import Scheduler, build_scheduler
 from tokenslice.sched.snapshot import snapshot
@@ -453,11 +453,7 @@ class Engine:
     def generate(self, prompts: list[str | list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None,
                  ) -> list[CompletionOutput]:
         """Run prompts to completion (offline use); results in prompt order."""
-        if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        prompts, plist = prompts_with_params(prompts, params)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         results = {r.request_id: CompletionOutput(r.request_id, p if isinstance(p, str) else None, r.prompt_token_ids,
                                                   "", [], None, r.metrics)
