@@ -21,6 +21,7 @@ from tokenslice.server.responses import (ChatChoice, ChatCompletionChunk, ChatCo
                                          ToolCallDelta, ToolCallOut)
 from tokenslice.server.sampling import check_logprobs, check_stream_options, sampling_params
 from tokenslice.server.serving import ClientWatch, Server
+from tokenslice.server.structured import structured_output
 from tokenslice.server.sse import sse
 from tokenslice.server.streaming import StreamFormat, stream_response
 from tokenslice.server.tools import ToolCallParser, calls_tools, check_tool_fields, parse_tool_calls, tool_grammar
@@ -55,8 +56,9 @@ async def create_chat_completion(server: Server, body: ChatCompletionRequest, re
     default = server.settings.default_sampling.get("max_tokens")
     params = sampling_params(body, server.info, requested or (min(default, room) if default else room),
                              (body.top_logprobs or 0) if body.logprobs else None)
-    if calls_tools(body):  # off the event loop: the first grammar check imports xgrammar (and torch)
-        params.structured = await run_in_threadpool(tool_grammar, body)
+    # Off the event loop: the first grammar check imports xgrammar (and torch).
+    params.structured = await run_in_threadpool(tool_grammar, body) if calls_tools(body) else (
+        await structured_output(body))
     choices = await server.submit_choices(track, [ids], params, body.n, body, [message_text(body.messages)], client)
     model, created = server.settings.served_model_name, int(time.time())
     texts = TokenTexts(server.logprob_tokenizer) if body.logprobs else None

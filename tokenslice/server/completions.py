@@ -25,6 +25,7 @@ from tokenslice.server.sampling import check_logprobs, check_stream_options, sam
 from tokenslice.server.serving import ClientWatch, Server
 from tokenslice.server.sse import sse
 from tokenslice.server.streaming import StreamFormat, stream_response
+from tokenslice.server.structured import structured_output
 from tokenslice.server.track import Track, new_track
 
 
@@ -43,6 +44,7 @@ async def create_completion(server: Server, body: CompletionRequest, request: Re
     check_logprobs(server.settings.max_logprobs, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
     body = with_defaults(body, server.settings.default_sampling)
     params, copies = completion_params(body, server.info, server.settings.default_sampling.get("max_tokens"))
+    params.structured = await structured_output(body)
     prompts = _prompt_list(body.prompt)
     server.check_admission(track.tenant, len(prompts), copies)  # before any prompt is tokenized
     ids = []

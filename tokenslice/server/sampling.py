@@ -6,7 +6,6 @@ from tokenslice.engine.protocol import EngineInfo
 from tokenslice.request import InvalidRequestError, SamplingParams
 from tokenslice.server.errors import APIError
 from tokenslice.server.protocol import SamplingFields
-from tokenslice.server.structured import structured_output
 
 # Temperatures below this sample greedily: dividing logits by ~0 would overflow to inf and NaN.
 GREEDY_TEMPERATURE = 1e-5
@@ -33,7 +32,7 @@ def sampling_params(body: SamplingFields, info: EngineInfo, max_tokens: int, log
         stop_token_ids=list(body.stop_token_ids), include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
         spaces_between_special_tokens=body.spaces_between_special_tokens,
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured_output(body))
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     try:
         params.validate()
     except InvalidRequestError as e:

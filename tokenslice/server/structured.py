@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from tokenslice.request import StructuredOutput
 from tokenslice.server.errors import APIError
 from tokenslice.server.protocol import MAX_GRAMMAR_CHARS, SamplingFields
 
-def structured_output(body: SamplingFields) -> StructuredOutput | None:
-    """The request's grammar, or None for free text; 400 naming the field for a bad or second one."""
+async def structured_output(body: SamplingFields) -> StructuredOutput | None:
+    """The request's grammar, or None for free text; 400 naming the field for a bad or second one.
+    The grammar is checked off the event loop: the first check imports xgrammar (and torch)."""
     found = [(param, spec) for param, spec in _asked(body) if spec is not None]
     if len(found) > 1:
         raise APIError(400, f"{found[1][0]}: only one structured-output constraint per request, and "
@@ -23,7 +26,7 @@ def structured_output(body: SamplingFields) -> StructuredOutput | None:
     if len(spec.spec) > MAX_GRAMMAR_CHARS:
         raise APIError(400, f"{param}: {len(spec.spec)} characters; at most {MAX_GRAMMAR_CHARS} are compiled",
                        param=param)
-    check_grammar(spec, param)
+    await run_in_threadpool(check_grammar, spec, param)
     return spec
 
 
