@@ -44,7 +44,7 @@ def _grammars(tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
     """model.grammar.Grammars for the served model (xgrammar loads here, at the first structured request)."""
     from tokenslice.model.grammar import Grammars
 
-    return Grammars(lambda: tokenizer, vocab_size, eos_token_ids)
+    return Grammars(tokenizer, vocab_size, eos_token_ids)
 
 
 @dataclass

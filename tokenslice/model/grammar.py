@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,8 +72,8 @@ class Grammars:
     schemas cannot grow the cache without bound). The tokenizer's vocabulary index (a second or
     two for 50k tokens) is built at the first compile, not at start-up."""
 
-    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, stop_token_ids: Sequence[int]) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
@@ -83,7 +83,7 @@ class Grammars:
     def _ready(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer(), vocab_size=self.vocab_size,
+                info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids or None)
                 # One thread: compiles run beside the step loop, whose compute threads need the cores.
                 # The cache is ours (bounded, keyed by spec), not xgrammar's (unbounded by default).
@@ -116,7 +116,7 @@ def model_grammars(cfg: ModelConfig) -> Grammars:
 
     arch = load_arch(cfg)
     tokenizer = model_tokenizer(cfg, arch)
-    return Grammars(lambda: tokenizer, arch.vocab_size, eos_token_ids(tokenizer, arch))
+    return Grammars(tokenizer, arch.vocab_size, eos_token_ids(tokenizer, arch))
 
 
 class GrammarMasks:
